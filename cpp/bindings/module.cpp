@@ -1,0 +1,190 @@
+// The one pybind11 file: exposes the C++ core as `cartridges_core`. No logic lives here.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include "cartridges/engine.h"
+#include "cartridges/model.h"
+
+namespace py = pybind11;
+using namespace cartridges;
+
+namespace {
+
+at::ScalarType parse_dtype(const std::string& name) {
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float16") return at::kHalf;
+  throw py::value_error("unsupported dtype '" + name + "' (float32, bfloat16 or float16)");
+}
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    default: return c10::toString(t);
+  }
+}
+
+using PyPrefixList = std::vector<std::shared_ptr<KVPrefix>>;
+
+PrefixList to_const(const PyPrefixList& list) { return PrefixList(list.begin(), list.end()); }
+
+ForwardBatch make_batch(const at::Tensor& tokens, std::optional<std::vector<int64_t>> num_new,
+                        std::optional<std::vector<PyPrefixList>> prefixes) {
+  ForwardBatch batch;
+  batch.tokens = tokens;
+  if (num_new) batch.num_new = *num_new;
+  if (prefixes) {
+    for (const auto& row : *prefixes) batch.prefixes.push_back(to_const(row));
+  }
+  return batch;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(cartridges_core, m) {
+  m.doc() = "C++ core of cartridges: Llama-family forward with KV cache and prefixes, generation.";
+
+  py::class_<LlamaConfig>(m, "LlamaConfig")
+      .def(py::init<>())
+      .def_readwrite("vocab_size", &LlamaConfig::vocab_size)
+      .def_readwrite("hidden_size", &LlamaConfig::hidden_size)
+      .def_readwrite("intermediate_size", &LlamaConfig::intermediate_size)
+      .def_readwrite("num_layers", &LlamaConfig::num_layers)
+      .def_readwrite("num_heads", &LlamaConfig::num_heads)
+      .def_readwrite("num_kv_heads", &LlamaConfig::num_kv_heads)
+      .def_readwrite("head_dim", &LlamaConfig::head_dim)
+      .def_readwrite("rms_norm_eps", &LlamaConfig::rms_norm_eps)
+      .def_readwrite("rope_theta", &LlamaConfig::rope_theta)
+      .def_readwrite("rope_type", &LlamaConfig::rope_type)
+      .def_readwrite("rope_factor", &LlamaConfig::rope_factor)
+      .def_readwrite("rope_low_freq_factor", &LlamaConfig::rope_low_freq_factor)
+      .def_readwrite("rope_high_freq_factor", &LlamaConfig::rope_high_freq_factor)
+      .def_readwrite("rope_original_max_position_embeddings", &LlamaConfig::rope_original_max_position_embeddings)
+      .def_readwrite("attention_bias", &LlamaConfig::attention_bias)
+      .def_readwrite("qk_norm", &LlamaConfig::qk_norm)
+      .def_readwrite("tie_word_embeddings", &LlamaConfig::tie_word_embeddings)
+      .def_readwrite("max_position_embeddings", &LlamaConfig::max_position_embeddings)
+      .def("validate", &LlamaConfig::validate);
+
+  py::class_<KVPrefix, std::shared_ptr<KVPrefix>>(m, "KVPrefix",
+                                                  "Per-layer keys/values [H_kv, P, D]; keys after RoPE at 0..P-1.")
+      .def(py::init([](std::vector<at::Tensor> keys, std::vector<at::Tensor> values) {
+             TORCH_CHECK(keys.size() == values.size() && !keys.empty(), "KVPrefix: one key and one value per layer");
+             for (size_t l = 0; l < keys.size(); ++l) {
+               TORCH_CHECK(keys[l].dim() == 3 && keys[l].sizes() == values[l].sizes(),
+                           "KVPrefix: layer ", l, " keys/values must both be [H_kv, P, D]");
+               TORCH_CHECK(keys[l].size(1) == keys[0].size(1), "KVPrefix: every layer must have the same length");
+             }
+             return std::make_shared<KVPrefix>(KVPrefix{std::move(keys), std::move(values)});
+           }),
+           py::arg("keys"), py::arg("values"))
+      .def_readonly("keys", &KVPrefix::keys)
+      .def_readonly("values", &KVPrefix::values)
+      .def_property_readonly("num_tokens", &KVPrefix::num_tokens)
+      .def_property_readonly("nbytes", &KVPrefix::nbytes);
+
+  py::class_<KVCache>(m, "KVCache")
+      .def_property_readonly("batch", &KVCache::batch)
+      .def_property_readonly("capacity", &KVCache::capacity)
+      .def_readonly("lengths", &KVCache::lengths)
+      .def_readonly("keys", &KVCache::keys)
+      .def_readonly("values", &KVCache::values)
+      .def("keep_rows", &KVCache::keep_rows);
+
+  py::class_<LlamaModel, std::shared_ptr<LlamaModel>>(m, "LlamaModel")
+      .def(py::init([](const LlamaConfig& config, const std::unordered_map<std::string, at::Tensor>& weights,
+                       const std::string& device, const std::string& dtype) {
+             return std::make_shared<LlamaModel>(config, weights, at::Device(device), parse_dtype(dtype));
+           }),
+           py::arg("config"), py::arg("weights"), py::arg("device") = "cpu", py::arg("dtype") = "float32")
+      .def_property_readonly("config", &LlamaModel::config)
+      .def_property_readonly("device", [](const LlamaModel& m) { return m.device().str(); })
+      .def_property_readonly("dtype", [](const LlamaModel& m) { return dtype_name(m.dtype()); })
+      .def("new_cache", &LlamaModel::new_cache, py::arg("batch"), py::arg("capacity"))
+      .def(
+          "forward",
+          [](const LlamaModel& m, const at::Tensor& tokens, std::optional<std::vector<int64_t>> num_new,
+             KVCache* cache, std::optional<std::vector<PyPrefixList>> prefixes, bool last_only) {
+            auto batch = make_batch(tokens, std::move(num_new), std::move(prefixes));
+            py::gil_scoped_release release;
+            return last_only ? m.forward_last(batch, cache) : m.forward(batch, cache);
+          },
+          py::arg("tokens"), py::arg("num_new") = py::none(), py::arg("cache") = nullptr,
+          py::arg("prefixes") = py::none(), py::arg("last_only") = false,
+          "Logits [B, S, V] (or [B, V] at each row's last token with last_only) for tokens [B, S].")
+      .def(
+          "forward_hidden",
+          [](const LlamaModel& m, const at::Tensor& tokens, std::optional<std::vector<int64_t>> num_new,
+             KVCache* cache, std::optional<std::vector<PyPrefixList>> prefixes) {
+            auto batch = make_batch(tokens, std::move(num_new), std::move(prefixes));
+            py::gil_scoped_release release;
+            return m.forward_hidden(batch, cache);
+          },
+          py::arg("tokens"), py::arg("num_new") = py::none(), py::arg("cache") = nullptr,
+          py::arg("prefixes") = py::none())
+      .def("logits", &LlamaModel::logits, py::arg("hidden"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "prefix_from_tokens",
+          [](const LlamaModel& m, const at::Tensor& tokens) {
+            py::gil_scoped_release release;
+            return std::make_shared<KVPrefix>(m.prefix_from_tokens(tokens));
+          },
+          py::arg("tokens"));
+
+  py::class_<SamplingParams>(m, "SamplingParams")
+      .def(py::init([](double temperature, double top_p, int64_t top_k, int64_t seed, int64_t max_new_tokens,
+                       std::vector<int64_t> stop_token_ids) {
+             return SamplingParams{temperature, top_p, top_k, seed, max_new_tokens, std::move(stop_token_ids)};
+           }),
+           py::arg("temperature") = 0.0, py::arg("top_p") = 1.0, py::arg("top_k") = 0, py::arg("seed") = -1,
+           py::arg("max_new_tokens") = 256, py::arg("stop_token_ids") = std::vector<int64_t>{})
+      .def_readwrite("temperature", &SamplingParams::temperature)
+      .def_readwrite("top_p", &SamplingParams::top_p)
+      .def_readwrite("top_k", &SamplingParams::top_k)
+      .def_readwrite("seed", &SamplingParams::seed)
+      .def_readwrite("max_new_tokens", &SamplingParams::max_new_tokens)
+      .def_readwrite("stop_token_ids", &SamplingParams::stop_token_ids);
+
+  py::class_<Sampler>(m, "Sampler")
+      .def(py::init<const SamplingParams&>())
+      .def("sample", &Sampler::sample);
+  m.def("filter_top_k", &filter_top_k);
+  m.def("filter_top_p", &filter_top_p);
+
+  m.def(
+      "generate",
+      [](const LlamaModel& model, const std::vector<std::vector<int64_t>>& prompts,
+         const std::vector<SamplingParams>& params, std::optional<std::vector<PyPrefixList>> prefixes,
+         std::optional<std::function<bool(int64_t, int64_t)>> on_token) {
+        TORCH_CHECK(params.size() == prompts.size(), "generate: one SamplingParams per prompt");
+        TORCH_CHECK(!prefixes || prefixes->size() == prompts.size(), "generate: one prefix list per prompt");
+        std::vector<GenerationRequest> requests(prompts.size());
+        for (size_t i = 0; i < prompts.size(); ++i) {
+          requests[i] = {prompts[i], params[i], prefixes ? to_const((*prefixes)[i]) : PrefixList{}};
+        }
+        TokenCallback callback;
+        if (on_token) {
+          // The callback is Python: take the GIL around each call only.
+          callback = [fn = *on_token](int64_t request, int64_t token) {
+            py::gil_scoped_acquire acquire;
+            return fn(request, token);
+          };
+        }
+        std::vector<GenerationResult> results;
+        {
+          py::gil_scoped_release release;
+          results = generate(model, requests, callback);
+        }
+        py::list out;
+        for (auto& r : results) out.append(py::make_tuple(r.tokens, r.finish_reason));
+        return out;
+      },
+      py::arg("model"), py::arg("prompts"), py::arg("params"), py::arg("prefixes") = py::none(),
+      py::arg("on_token") = py::none(),
+      "Generates for all prompts as one batch; returns [(tokens, finish_reason)]. on_token(i, token) -> bool is "
+      "called per token; False cancels request i.");
+}

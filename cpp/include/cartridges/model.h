@@ -1,0 +1,98 @@
+#pragma once
+// The Llama-family forward with a KV cache and optional KV prefixes (cartridges).
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "cartridges/config.h"
+
+namespace cartridges {
+
+// Keys and values of `num_tokens()` virtual tokens for every layer: [H_kv, P, D] each, keys
+// after RoPE at positions 0..P-1. Shared read-only by every sequence that uses it.
+struct KVPrefix {
+  std::vector<at::Tensor> keys;
+  std::vector<at::Tensor> values;
+
+  int64_t num_tokens() const { return keys.empty() ? 0 : keys[0].size(1); }
+  int64_t nbytes() const;
+};
+using PrefixPtr = std::shared_ptr<const KVPrefix>;
+// Prefixes concatenated in front of one sequence, in order.
+using PrefixList = std::vector<PrefixPtr>;
+
+// K/V of each sequence's own tokens (not its prefixes), sized to the batch it serves.
+class KVCache {
+ public:
+  KVCache(const LlamaConfig& config, int64_t batch, int64_t capacity, at::TensorOptions options);
+
+  int64_t batch() const { return static_cast<int64_t>(lengths.size()); }
+  int64_t capacity() const { return capacity_; }
+  // Keeps only the given rows, in the given order (used when sequences finish).
+  void keep_rows(const std::vector<int64_t>& rows);
+
+  std::vector<at::Tensor> keys;    // per layer: [B, H_kv, capacity, D]
+  std::vector<at::Tensor> values;  // per layer: [B, H_kv, capacity, D]
+  std::vector<int64_t> lengths;    // valid cached tokens per row
+
+ private:
+  int64_t capacity_;
+};
+
+// One forward call: new tokens of B sequences, right-padded to S.
+struct ForwardBatch {
+  at::Tensor tokens;                  // [B, S] int64
+  std::vector<int64_t> num_new;       // valid tokens per row (1..S); empty = all S
+  std::vector<PrefixList> prefixes;   // per row; empty = no prefixes
+};
+
+class LlamaModel {
+ public:
+  // `weights` uses Hugging Face names (model.layers.0.self_attn.q_proj.weight, ...).
+  LlamaModel(LlamaConfig config, const std::unordered_map<std::string, at::Tensor>& weights,
+             at::Device device, at::ScalarType dtype);
+
+  const LlamaConfig& config() const { return config_; }
+  at::Device device() const { return device_; }
+  at::ScalarType dtype() const { return dtype_; }
+  at::TensorOptions options() const { return at::TensorOptions().device(device_).dtype(dtype_); }
+
+  KVCache new_cache(int64_t batch, int64_t capacity) const;
+
+  // Final-norm hidden states [B, S, hidden]. With a cache, the new K/V are appended to it
+  // and attention covers prefixes + cache; without one, prefixes + these tokens only
+  // (the training path: differentiable with respect to the prefixes).
+  at::Tensor forward_hidden(const ForwardBatch& batch, KVCache* cache) const;
+  // Logits [..., vocab] from final hidden states, in float32.
+  at::Tensor logits(const at::Tensor& hidden) const;
+  // Logits [B, vocab] at each row's last valid new token.
+  at::Tensor forward_last(const ForwardBatch& batch, KVCache* cache) const;
+  // Logits [B, S, vocab] at every new position.
+  at::Tensor forward(const ForwardBatch& batch, KVCache* cache) const;
+
+  // KV of `tokens` [S] as a prefix (the prefix-from-text initialization of a cartridge).
+  KVPrefix prefix_from_tokens(const at::Tensor& tokens) const;
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, post_norm;
+    at::Tensor qkv_weight, qkv_bias;  // q, k, v projections fused: [(H + 2 H_kv) D, hidden]
+    at::Tensor q_norm, k_norm;        // Qwen3 only
+    at::Tensor o_weight;
+    at::Tensor gate_up_weight;        // gate and up fused: [2 I, hidden]
+    at::Tensor down_weight;
+  };
+
+  LlamaConfig config_;
+  at::Device device_;
+  at::ScalarType dtype_;
+  at::Tensor embed_, final_norm_, lm_head_;
+  at::Tensor inv_freq_;  // [D/2] float32 RoPE frequencies
+  std::vector<Layer> layers_;
+};
+
+}  // namespace cartridges

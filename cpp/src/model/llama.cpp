@@ -1,0 +1,247 @@
+#include <algorithm>
+#include <numeric>
+
+#include "cartridges/model.h"
+#include "model/ops.h"
+
+namespace cartridges {
+
+void LlamaConfig::validate() const {
+  TORCH_CHECK(vocab_size > 0, "config: vocab_size must be positive");
+  TORCH_CHECK(hidden_size > 0, "config: hidden_size must be positive");
+  TORCH_CHECK(intermediate_size > 0, "config: intermediate_size must be positive");
+  TORCH_CHECK(num_layers > 0, "config: num_layers must be positive");
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0, "config: head counts must be positive");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "config: num_heads (", num_heads,
+              ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "config: head_dim must be positive and even");
+  TORCH_CHECK(rope_type == "default" || rope_type == "llama3", "config: unsupported rope_type '", rope_type, "'");
+}
+
+int64_t KVPrefix::nbytes() const {
+  int64_t total = 0;
+  for (const auto& t : keys) total += t.nbytes();
+  for (const auto& t : values) total += t.nbytes();
+  return total;
+}
+
+KVCache::KVCache(const LlamaConfig& config, int64_t batch, int64_t capacity, at::TensorOptions options)
+    : lengths(batch, 0), capacity_(capacity) {
+  TORCH_CHECK(batch > 0 && capacity > 0, "KVCache: batch and capacity must be positive");
+  keys.reserve(config.num_layers);
+  values.reserve(config.num_layers);
+  for (int64_t l = 0; l < config.num_layers; ++l) {
+    keys.push_back(at::empty({batch, config.num_kv_heads, capacity, config.head_dim}, options));
+    values.push_back(at::empty({batch, config.num_kv_heads, capacity, config.head_dim}, options));
+  }
+}
+
+void KVCache::keep_rows(const std::vector<int64_t>& rows) {
+  std::vector<int64_t> kept_lengths;
+  kept_lengths.reserve(rows.size());
+  for (auto r : rows) {
+    TORCH_CHECK(r >= 0 && r < batch(), "KVCache::keep_rows: row ", r, " out of range");
+    kept_lengths.push_back(lengths[r]);
+  }
+  auto index = at::tensor(rows, at::kLong).to(keys[0].device());
+  for (size_t l = 0; l < keys.size(); ++l) {
+    keys[l] = keys[l].index_select(0, index);
+    values[l] = values[l].index_select(0, index);
+  }
+  lengths = std::move(kept_lengths);
+}
+
+namespace {
+
+class WeightTable {
+ public:
+  WeightTable(const std::unordered_map<std::string, at::Tensor>& weights, at::Device device, at::ScalarType dtype)
+      : weights_(weights), device_(device), dtype_(dtype) {}
+
+  at::Tensor get(const std::string& name, at::IntArrayRef shape) const {
+    auto it = weights_.find(name);
+    TORCH_CHECK(it != weights_.end(), "missing tensor '", name, "'");
+    TORCH_CHECK(it->second.sizes() == shape, "tensor '", name, "' has shape ", it->second.sizes(), ", expected ",
+                shape);
+    return it->second.to(device_, dtype_).contiguous();
+  }
+  bool has(const std::string& name) const { return weights_.count(name) > 0; }
+
+ private:
+  const std::unordered_map<std::string, at::Tensor>& weights_;
+  at::Device device_;
+  at::ScalarType dtype_;
+};
+
+}  // namespace
+
+LlamaModel::LlamaModel(LlamaConfig config, const std::unordered_map<std::string, at::Tensor>& weights,
+                       at::Device device, at::ScalarType dtype)
+    : config_(std::move(config)), device_(device), dtype_(dtype) {
+  config_.validate();
+  const auto& c = config_;
+  const WeightTable w(weights, device, dtype);
+  const int64_t q_dim = c.num_heads * c.head_dim, kv_dim = c.num_kv_heads * c.head_dim;
+
+  embed_ = w.get("model.embed_tokens.weight", {c.vocab_size, c.hidden_size});
+  final_norm_ = w.get("model.norm.weight", {c.hidden_size});
+  lm_head_ = c.tie_word_embeddings ? embed_ : w.get("lm_head.weight", {c.vocab_size, c.hidden_size});
+  inv_freq_ = ops::rope_inv_freq(c).to(device);
+
+  layers_.reserve(c.num_layers);
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    Layer layer;
+    layer.input_norm = w.get(p + "input_layernorm.weight", {c.hidden_size});
+    layer.post_norm = w.get(p + "post_attention_layernorm.weight", {c.hidden_size});
+    layer.qkv_weight = at::cat({w.get(p + "self_attn.q_proj.weight", {q_dim, c.hidden_size}),
+                                w.get(p + "self_attn.k_proj.weight", {kv_dim, c.hidden_size}),
+                                w.get(p + "self_attn.v_proj.weight", {kv_dim, c.hidden_size})});
+    if (c.attention_bias) {
+      layer.qkv_bias = at::cat({w.get(p + "self_attn.q_proj.bias", {q_dim}), w.get(p + "self_attn.k_proj.bias", {kv_dim}),
+                                w.get(p + "self_attn.v_proj.bias", {kv_dim})});
+    }
+    if (c.qk_norm) {
+      layer.q_norm = w.get(p + "self_attn.q_norm.weight", {c.head_dim});
+      layer.k_norm = w.get(p + "self_attn.k_norm.weight", {c.head_dim});
+    }
+    layer.o_weight = w.get(p + "self_attn.o_proj.weight", {c.hidden_size, q_dim});
+    layer.gate_up_weight = at::cat({w.get(p + "mlp.gate_proj.weight", {c.intermediate_size, c.hidden_size}),
+                                    w.get(p + "mlp.up_proj.weight", {c.intermediate_size, c.hidden_size})});
+    layer.down_weight = w.get(p + "mlp.down_proj.weight", {c.hidden_size, c.intermediate_size});
+    layers_.push_back(std::move(layer));
+  }
+}
+
+KVCache LlamaModel::new_cache(int64_t batch, int64_t capacity) const {
+  return KVCache(config_, batch, capacity, options());
+}
+
+at::Tensor LlamaModel::forward_hidden(const ForwardBatch& batch, KVCache* cache) const {
+  const auto& c = config_;
+  TORCH_CHECK(batch.tokens.dim() == 2, "forward: tokens must be [batch, steps], got ", batch.tokens.sizes());
+  const int64_t B = batch.tokens.size(0), S = batch.tokens.size(1);
+  TORCH_CHECK(B > 0 && S > 0, "forward: empty batch");
+  std::vector<int64_t> num_new = batch.num_new.empty() ? std::vector<int64_t>(B, S) : batch.num_new;
+  TORCH_CHECK(static_cast<int64_t>(num_new.size()) == B, "forward: num_new has ", num_new.size(), " rows, batch has ", B);
+  for (auto n : num_new) TORCH_CHECK(n >= 1 && n <= S, "forward: num_new entries must be in [1, ", S, "]");
+  TORCH_CHECK(batch.prefixes.empty() || static_cast<int64_t>(batch.prefixes.size()) == B,
+              "forward: prefixes must be empty or one list per row");
+
+  std::vector<int64_t> past(B, 0), prefix_len(B, 0);
+  if (cache != nullptr) {
+    TORCH_CHECK(cache->batch() == B, "forward: cache has ", cache->batch(), " rows, batch has ", B);
+    past = cache->lengths;
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(past[b] + S <= cache->capacity(), "forward: KV cache full (", past[b], " + ", S, " > ",
+                  cache->capacity(), ")");
+    }
+  }
+  bool shared = true;
+  for (int64_t b = 0; b < static_cast<int64_t>(batch.prefixes.size()); ++b) {
+    for (const auto& prefix : batch.prefixes[b]) {
+      TORCH_CHECK(prefix && static_cast<int64_t>(prefix->keys.size()) == c.num_layers &&
+                      static_cast<int64_t>(prefix->values.size()) == c.num_layers,
+                  "forward: a prefix must hold keys and values for each of the ", c.num_layers, " layers");
+      prefix_len[b] += prefix->num_tokens();
+    }
+    shared = shared && batch.prefixes[b] == batch.prefixes[0];
+  }
+
+  // Positions continue after the prefixes and what the cache already holds.
+  std::vector<int64_t> start(B);
+  for (int64_t b = 0; b < B; ++b) start[b] = prefix_len[b] + past[b];
+  auto positions = at::tensor(start, at::kLong).unsqueeze(1) + at::arange(S, at::kLong).unsqueeze(0);  // [B, S]
+  auto [cos, sin] = ops::rope_cos_sin(inv_freq_, positions.to(device_), dtype_);
+
+  const int64_t total = cache ? *std::max_element(past.begin(), past.end()) + S : S;
+  auto mask = ops::causal_mask(past, S, total, options());
+  const bool uniform_past = std::all_of(past.begin(), past.end(), [&](int64_t p) { return p == past[0]; });
+  at::Tensor write_rows, write_cols;
+  if (cache && !uniform_past) {
+    write_rows = at::arange(B, at::kLong).repeat_interleave(S).to(device_);
+    write_cols = (at::tensor(past, at::kLong).unsqueeze(1) + at::arange(S, at::kLong).unsqueeze(0)).flatten().to(device_);
+  }
+
+  const int64_t H = c.num_heads, Hkv = c.num_kv_heads, D = c.head_dim;
+  auto x = at::embedding(embed_, batch.tokens.to(device_));  // [B, S, hidden]
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const Layer& layer = layers_[l];
+    auto h = ops::rms_norm(x, layer.input_norm, c.rms_norm_eps);
+    auto qkv = at::linear(h, layer.qkv_weight, layer.qkv_bias);  // [B, S, (H + 2 Hkv) D]
+    auto q = qkv.narrow(-1, 0, H * D).view({B, S, H, D});
+    auto k = qkv.narrow(-1, H * D, Hkv * D).view({B, S, Hkv, D});
+    auto v = qkv.narrow(-1, (H + Hkv) * D, Hkv * D).view({B, S, Hkv, D});
+    if (c.qk_norm) {
+      q = ops::rms_norm(q, layer.q_norm, c.rms_norm_eps);
+      k = ops::rms_norm(k, layer.k_norm, c.rms_norm_eps);
+    }
+    q = ops::apply_rope(q.transpose(1, 2), cos, sin);  // [B, H, S, D]
+    k = ops::apply_rope(k.transpose(1, 2), cos, sin);  // [B, Hkv, S, D]
+    v = v.transpose(1, 2);
+
+    at::Tensor keys = k, values = v;
+    if (cache) {
+      auto& ck = cache->keys[l];
+      auto& cv = cache->values[l];
+      if (uniform_past) {
+        ck.narrow(2, past[0], S).copy_(k);
+        cv.narrow(2, past[0], S).copy_(v);
+      } else {
+        using at::indexing::Slice;
+        ck.index_put_({write_rows, Slice(), write_cols}, k.transpose(1, 2).reshape({B * S, Hkv, D}));
+        cv.index_put_({write_rows, Slice(), write_cols}, v.transpose(1, 2).reshape({B * S, Hkv, D}));
+      }
+      keys = ck.narrow(2, 0, total);
+      values = cv.narrow(2, 0, total);
+    }
+    auto attn = ops::attention(q, keys, values, mask, batch.prefixes, l, shared);  // [B, H, S, D]
+    x = x + at::linear(attn.transpose(1, 2).reshape({B, S, H * D}), layer.o_weight);
+
+    h = ops::rms_norm(x, layer.post_norm, c.rms_norm_eps);
+    auto gate_up = at::linear(h, layer.gate_up_weight);
+    auto gate = gate_up.narrow(-1, 0, c.intermediate_size);
+    auto up = gate_up.narrow(-1, c.intermediate_size, c.intermediate_size);
+    x = x + at::linear(at::silu(gate) * up, layer.down_weight);
+  }
+  if (cache) {
+    for (int64_t b = 0; b < B; ++b) cache->lengths[b] += num_new[b];
+  }
+  return ops::rms_norm(x, final_norm_, c.rms_norm_eps);
+}
+
+at::Tensor LlamaModel::logits(const at::Tensor& hidden) const {
+  return at::linear(hidden, lm_head_).to(at::kFloat);
+}
+
+at::Tensor LlamaModel::forward(const ForwardBatch& batch, KVCache* cache) const {
+  return logits(forward_hidden(batch, cache));
+}
+
+at::Tensor LlamaModel::forward_last(const ForwardBatch& batch, KVCache* cache) const {
+  auto hidden = forward_hidden(batch, cache);
+  const int64_t B = hidden.size(0), S = hidden.size(1);
+  if (S == 1) return logits(hidden.squeeze(1));
+  std::vector<int64_t> last(B, S - 1);
+  if (!batch.num_new.empty()) {
+    for (int64_t b = 0; b < B; ++b) last[b] = batch.num_new[b] - 1;
+  }
+  auto index = at::tensor(last, at::kLong).to(device_).view({B, 1, 1}).expand({B, 1, hidden.size(2)});
+  return logits(hidden.gather(1, index).squeeze(1));
+}
+
+KVPrefix LlamaModel::prefix_from_tokens(const at::Tensor& tokens) const {
+  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) > 0, "prefix_from_tokens: tokens must be a non-empty 1-D tensor");
+  const int64_t n = tokens.size(0);
+  KVCache cache = new_cache(1, n);
+  ForwardBatch batch{tokens.view({1, n}), {}, {}};
+  forward_hidden(batch, &cache);
+  KVPrefix prefix;
+  for (int64_t l = 0; l < config_.num_layers; ++l) {
+    prefix.keys.push_back(cache.keys[l][0].clone());
+    prefix.values.push_back(cache.values[l][0].clone());
+  }
+  return prefix;
+}
+
+}  // namespace cartridges

@@ -1,0 +1,132 @@
+#include "model/ops.h"
+
+#include <cmath>
+#include <limits>
+
+namespace cartridges::ops {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const auto input_dtype = x.scalar_type();
+  auto h = x.to(at::kFloat);
+  auto variance = h.pow(2).mean(-1, /*keepdim=*/true);
+  h = h * at::rsqrt(variance + eps);
+  return weight * h.to(input_dtype);
+}
+
+at::Tensor rope_inv_freq(const LlamaConfig& config) {
+  const int64_t dim = config.head_dim;
+  // Same expression as Hugging Face so that the frequencies agree to the last bit.
+  auto exponents = at::arange(0, dim, 2, at::kLong).to(at::kFloat) / static_cast<double>(dim);
+  auto inv_freq = 1.0 / at::pow(config.rope_theta, exponents);
+  if (config.rope_type == "llama3") {
+    const double factor = config.rope_factor;
+    const double low = config.rope_low_freq_factor, high = config.rope_high_freq_factor;
+    const double old_len = static_cast<double>(config.rope_original_max_position_embeddings);
+    const double low_freq_wavelen = old_len / low, high_freq_wavelen = old_len / high;
+    auto wavelen = 2 * M_PI / inv_freq;
+    auto scaled = at::where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq);
+    auto smooth = (old_len / wavelen - low) / (high - low);
+    auto smoothed = (1 - smooth) * scaled / factor + smooth * scaled;
+    auto is_medium = at::logical_not(wavelen < high_freq_wavelen) * at::logical_not(wavelen > low_freq_wavelen);
+    inv_freq = at::where(is_medium, smoothed, scaled);
+  } else {
+    TORCH_CHECK(config.rope_type == "default", "unsupported rope_type '", config.rope_type, "'");
+  }
+  return inv_freq;
+}
+
+std::pair<at::Tensor, at::Tensor> rope_cos_sin(const at::Tensor& inv_freq, const at::Tensor& positions,
+                                               at::ScalarType dtype) {
+  // freqs: [B, S, D/2] = positions x inv_freq, in float32 like the reference.
+  auto freqs = positions.to(at::kFloat).unsqueeze(-1) * inv_freq.to(positions.device());
+  auto emb = at::cat({freqs, freqs}, -1).unsqueeze(1);  // [B, 1, S, D]
+  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+}
+
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  auto x1 = x.narrow(-1, 0, half);
+  auto x2 = x.narrow(-1, half, half);
+  auto rotated = at::cat({-x2, x1}, -1);
+  return x * cos + rotated * sin;
+}
+
+at::Tensor causal_mask(const std::vector<int64_t>& past, int64_t new_tokens, int64_t total,
+                       at::TensorOptions options) {
+  const auto batch = static_cast<int64_t>(past.size());
+  auto past_t = at::tensor(past, at::kLong).view({batch, 1, 1, 1});
+  auto rows = at::arange(new_tokens, at::kLong).view({1, 1, new_tokens, 1});
+  auto cols = at::arange(total, at::kLong).view({1, 1, 1, total});
+  auto visible = cols <= (past_t + rows);  // [B, 1, S, T]
+  auto mask = at::zeros({batch, 1, new_tokens, total}, at::kFloat);
+  mask.masked_fill_(visible.logical_not(), -std::numeric_limits<float>::infinity());
+  return mask.to(options.device()).to(options.dtype().toScalarType());
+}
+
+namespace {
+
+// q grouped by KV head: [B, H_kv, G*S, D] against a segment [H_kv, P, D] shared by all rows.
+// Rows are folded into the matrix dimension so the segment is never expanded per row.
+at::Tensor segment_scores(const at::Tensor& qg, const at::Tensor& seg_k) {
+  const auto batch = qg.size(0), kv_heads = qg.size(1), rows = qg.size(2), dim = qg.size(3);
+  auto folded = qg.transpose(0, 1).reshape({kv_heads, batch * rows, dim});
+  auto scores = at::matmul(folded, seg_k.transpose(-1, -2));  // [H_kv, B*G*S, P]
+  return scores.view({kv_heads, batch, rows, seg_k.size(1)}).transpose(0, 1);
+}
+
+at::Tensor segment_output(const at::Tensor& probs, const at::Tensor& seg_v) {
+  const auto batch = probs.size(0), kv_heads = probs.size(1), rows = probs.size(2), len = probs.size(3);
+  auto folded = probs.transpose(0, 1).reshape({kv_heads, batch * rows, len});
+  auto out = at::matmul(folded, seg_v);  // [H_kv, B*G*S, D]
+  return out.view({kv_heads, batch, rows, seg_v.size(2)}).transpose(0, 1);
+}
+
+// All rows of q see the same prefix segments.
+at::Tensor attention_shared(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                            const PrefixList& segments, int64_t layer) {
+  const auto batch = q.size(0), heads = q.size(1), steps = q.size(2), dim = q.size(3);
+  const auto kv_heads = k.size(1), groups = heads / kv_heads, total = k.size(2);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  auto qg = (q * scale).reshape({batch, kv_heads, groups * steps, dim});
+
+  std::vector<at::Tensor> scores;
+  scores.reserve(segments.size() + 1);
+  for (const auto& prefix : segments) scores.push_back(segment_scores(qg, prefix->keys[layer]));
+  auto own = at::matmul(qg, k.transpose(-1, -2)).view({batch, kv_heads, groups, steps, total});
+  own = (own + mask.unsqueeze(1)).view({batch, kv_heads, groups * steps, total});
+  scores.push_back(own);
+
+  auto all = scores.size() == 1 ? own : at::cat(scores, -1);
+  auto probs = at::softmax(all.to(at::kFloat), -1).to(q.scalar_type());
+
+  int64_t offset = 0;
+  at::Tensor out;
+  for (const auto& prefix : segments) {
+    const auto len = prefix->num_tokens();
+    auto part = segment_output(probs.narrow(-1, offset, len), prefix->values[layer]);
+    out = out.defined() ? out + part : part;
+    offset += len;
+  }
+  auto own_out = at::matmul(probs.narrow(-1, offset, total), v);
+  out = out.defined() ? out + own_out : own_out;
+  return out.reshape({batch, heads, steps, dim});
+}
+
+}  // namespace
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                     const std::vector<PrefixList>& prefixes, int64_t layer, bool shared) {
+  TORCH_INTERNAL_ASSERT(q.size(1) % k.size(1) == 0);
+  if (prefixes.empty()) return attention_shared(q, k, v, mask, {}, layer);
+  if (shared) return attention_shared(q, k, v, mask, prefixes[0], layer);
+  // Rows with different prefixes: one row at a time, the same computation on a batch of one.
+  std::vector<at::Tensor> rows;
+  rows.reserve(q.size(0));
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    rows.push_back(attention_shared(q.narrow(0, b, 1), k.narrow(0, b, 1), v.narrow(0, b, 1),
+                                    mask.narrow(0, b, 1), prefixes[b], layer));
+  }
+  return at::cat(rows, 0);
+}
+
+}  // namespace cartridges::ops

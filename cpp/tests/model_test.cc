@@ -1,0 +1,162 @@
+// The forward on a tiny random model: KV cache, ragged batches and prefixes agree with the
+// plain full-sequence forward.
+#include <gtest/gtest.h>
+
+#include "cartridges/engine.h"
+#include "cartridges/model.h"
+
+using namespace cartridges;
+
+namespace {
+
+LlamaConfig tiny_config() {
+  LlamaConfig c;
+  c.vocab_size = 97;
+  c.hidden_size = 32;
+  c.intermediate_size = 48;
+  c.num_layers = 2;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  c.tie_word_embeddings = true;
+  c.max_position_embeddings = 256;
+  return c;
+}
+
+std::unordered_map<std::string, at::Tensor> random_weights(const LlamaConfig& c) {
+  std::unordered_map<std::string, at::Tensor> w;
+  const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  w["model.embed_tokens.weight"] = at::randn({c.vocab_size, c.hidden_size}) * 0.5;
+  w["model.norm.weight"] = 1 + 0.1 * at::randn({c.hidden_size});
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    w[p + "input_layernorm.weight"] = 1 + 0.1 * at::randn({c.hidden_size});
+    w[p + "post_attention_layernorm.weight"] = 1 + 0.1 * at::randn({c.hidden_size});
+    w[p + "self_attn.q_proj.weight"] = at::randn({q, c.hidden_size}) * 0.2;
+    w[p + "self_attn.k_proj.weight"] = at::randn({kv, c.hidden_size}) * 0.2;
+    w[p + "self_attn.v_proj.weight"] = at::randn({kv, c.hidden_size}) * 0.2;
+    w[p + "self_attn.o_proj.weight"] = at::randn({c.hidden_size, q}) * 0.2;
+    w[p + "mlp.gate_proj.weight"] = at::randn({c.intermediate_size, c.hidden_size}) * 0.2;
+    w[p + "mlp.up_proj.weight"] = at::randn({c.intermediate_size, c.hidden_size}) * 0.2;
+    w[p + "mlp.down_proj.weight"] = at::randn({c.hidden_size, c.intermediate_size}) * 0.2;
+  }
+  return w;
+}
+
+class ModelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    at::manual_seed(0);
+    config = tiny_config();
+    model = std::make_unique<LlamaModel>(config, random_weights(config), at::kCPU, at::kFloat);
+  }
+  at::Tensor full(const at::Tensor& tokens) const { return model->forward({tokens.view({1, -1}), {}, {}}, nullptr)[0]; }
+
+  LlamaConfig config;
+  std::unique_ptr<LlamaModel> model;
+};
+
+}  // namespace
+
+TEST_F(ModelTest, CachedDecodeMatchesFullForward) {
+  auto tokens = at::randint(config.vocab_size, {12}, at::kLong);
+  auto expected = full(tokens);
+  auto cache = model->new_cache(1, 12);
+  auto got = model->forward({tokens.narrow(0, 0, 8).view({1, 8}), {}, {}}, &cache)[0];
+  EXPECT_TRUE(at::allclose(got, expected.narrow(0, 0, 8), 1e-5, 1e-5));
+  for (int64_t i = 8; i < 12; ++i) {
+    auto step = model->forward({tokens.narrow(0, i, 1).view({1, 1}), {}, {}}, &cache)[0][0];
+    EXPECT_TRUE(at::allclose(step, expected[i], 1e-4, 1e-5)) << "step " << i;
+  }
+  EXPECT_EQ(cache.lengths[0], 12);
+}
+
+TEST_F(ModelTest, RaggedBatchMatchesSingleRows) {
+  std::vector<at::Tensor> prompts = {at::randint(config.vocab_size, {7}, at::kLong),
+                                     at::randint(config.vocab_size, {3}, at::kLong),
+                                     at::randint(config.vocab_size, {5}, at::kLong)};
+  auto tokens = at::zeros({3, 7}, at::kLong);
+  std::vector<int64_t> lens;
+  for (int64_t b = 0; b < 3; ++b) {
+    tokens[b].narrow(0, 0, prompts[b].size(0)).copy_(prompts[b]);
+    lens.push_back(prompts[b].size(0));
+  }
+  auto cache = model->new_cache(3, 9);
+  auto last = model->forward_last({tokens, lens, {}}, &cache);
+  // One decode step with different cached lengths per row.
+  auto next = at::randint(config.vocab_size, {3, 1}, at::kLong);
+  auto step = model->forward_last({next, {}, {}}, &cache);
+  for (int64_t b = 0; b < 3; ++b) {
+    auto alone = full(prompts[b]);
+    EXPECT_TRUE(at::allclose(last[b], alone[lens[b] - 1], 1e-4, 1e-5)) << "row " << b;
+    auto extended = full(at::cat({prompts[b], next[b]}));
+    EXPECT_TRUE(at::allclose(step[b], extended[lens[b]], 1e-4, 1e-5)) << "row " << b;
+  }
+}
+
+TEST_F(ModelTest, PrefixFromTokensEqualsTokensInContext) {
+  auto doc = at::randint(config.vocab_size, {10}, at::kLong);
+  auto other = at::randint(config.vocab_size, {6}, at::kLong);
+  auto prompt = at::randint(config.vocab_size, {5}, at::kLong);
+  PrefixPtr p1 = std::make_shared<KVPrefix>(model->prefix_from_tokens(doc));
+  EXPECT_EQ(p1->num_tokens(), 10);
+  auto with_prefix = model->forward({prompt.view({1, 5}), {}, {{p1}}}, nullptr)[0];
+  auto in_context = full(at::cat({doc, prompt})).narrow(0, 10, 5);
+  EXPECT_TRUE(at::allclose(with_prefix, in_context, 1e-4, 1e-5));
+
+  // A second prefix built after the first (positions 10..15) composes by concatenation.
+  auto cache = model->new_cache(1, 16);
+  model->forward({at::cat({doc, other}).view({1, 16}), {}, {}}, &cache);
+  auto p2 = std::make_shared<KVPrefix>();
+  for (int64_t l = 0; l < config.num_layers; ++l) {
+    p2->keys.push_back(cache.keys[l][0].narrow(1, 10, 6).clone());
+    p2->values.push_back(cache.values[l][0].narrow(1, 10, 6).clone());
+  }
+  auto composed = model->forward({prompt.view({1, 5}), {}, {{p1, p2}}}, nullptr)[0];
+  auto in_context2 = full(at::cat({doc, other, prompt})).narrow(0, 16, 5);
+  EXPECT_TRUE(at::allclose(composed, in_context2, 1e-4, 1e-5));
+}
+
+TEST_F(ModelTest, GenerateBatchEqualsEachAlone) {
+  std::vector<GenerationRequest> requests;
+  for (int64_t len : {4, 9, 2}) {
+    GenerationRequest r;
+    auto t = at::randint(config.vocab_size, {len}, at::kLong);
+    r.prompt.assign(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + len);
+    r.params.max_new_tokens = 6 + len;  // different lengths finish at different steps
+    requests.push_back(r);
+  }
+  auto batched = generate(*model, requests);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    auto alone = generate(*model, {requests[i]});
+    EXPECT_EQ(batched[i].tokens, alone[0].tokens) << "request " << i;
+    EXPECT_EQ(batched[i].finish_reason, "length");
+  }
+}
+
+TEST_F(ModelTest, StopTokenAndCancelEndSequences) {
+  GenerationRequest r;
+  r.prompt = {1, 2, 3};
+  r.params.max_new_tokens = 8;
+  auto free_run = generate(*model, {r})[0];
+  r.params.stop_token_ids = {free_run.tokens[2]};
+  auto stopped = generate(*model, {r})[0];
+  EXPECT_EQ(stopped.finish_reason, "stop");
+  EXPECT_LE(stopped.tokens.size(), 3u);
+  r.params.stop_token_ids.clear();
+  int seen = 0;
+  auto cancelled = generate(*model, {r, r}, [&](int64_t i, int64_t) { return !(i == 0 && ++seen == 2); });
+  EXPECT_EQ(cancelled[0].finish_reason, "cancelled");
+  EXPECT_EQ(cancelled[0].tokens.size(), 2u);
+  EXPECT_EQ(cancelled[1].tokens, free_run.tokens);
+}
+
+TEST_F(ModelTest, BadInputsAreRefused) {
+  auto bad = random_weights(config);
+  bad.erase("model.layers.1.mlp.up_proj.weight");
+  EXPECT_THROW(LlamaModel(config, bad, at::kCPU, at::kFloat), c10::Error);
+  GenerationRequest r;
+  r.prompt = {1};
+  r.params.max_new_tokens = 1000;  // beyond the context of 256
+  EXPECT_THROW(generate(*model, {r}), c10::Error);
+}

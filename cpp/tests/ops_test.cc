@@ -1,0 +1,176 @@
+// RoPE, RMSNorm and attention against straightforward reference computations.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "model/ops.h"
+
+using namespace cartridges;
+
+namespace {
+
+LlamaConfig rope_config(const std::string& type) {
+  LlamaConfig c;
+  c.head_dim = 16;
+  c.rope_theta = 500000.0;
+  c.rope_type = type;
+  c.rope_factor = 8.0;
+  c.rope_low_freq_factor = 1.0;
+  c.rope_high_freq_factor = 4.0;
+  c.rope_original_max_position_embeddings = 64;  // small, so all three frequency bands occur
+  return c;
+}
+
+// The Llama 3 rule, frequency by frequency, in double precision.
+double llama3_frequency(double f, const LlamaConfig& c) {
+  const double wavelen = 2 * M_PI / f;
+  const double low_wavelen = c.rope_original_max_position_embeddings / c.rope_low_freq_factor;
+  const double high_wavelen = c.rope_original_max_position_embeddings / c.rope_high_freq_factor;
+  if (wavelen < high_wavelen) return f;
+  if (wavelen > low_wavelen) return f / c.rope_factor;
+  const double smooth = (c.rope_original_max_position_embeddings / wavelen - c.rope_low_freq_factor) /
+                        (c.rope_high_freq_factor - c.rope_low_freq_factor);
+  return (1 - smooth) * f / c.rope_factor + smooth * f;
+}
+
+}  // namespace
+
+TEST(RopeTest, DefaultFrequenciesFollowTheta) {
+  auto c = rope_config("default");
+  auto inv = ops::rope_inv_freq(c);
+  ASSERT_EQ(inv.size(0), 8);
+  for (int64_t i = 0; i < 8; ++i) {
+    EXPECT_NEAR(inv[i].item<float>(), std::pow(c.rope_theta, -2.0 * i / 16), 1e-6);
+  }
+}
+
+TEST(RopeTest, Llama3ScalingCoversAllBands) {
+  auto c = rope_config("llama3");
+  auto scaled = ops::rope_inv_freq(c);
+  auto plain = ops::rope_inv_freq(rope_config("default"));
+  int unchanged = 0, divided = 0, smoothed = 0;
+  for (int64_t i = 0; i < 8; ++i) {
+    const double f = plain[i].item<float>();
+    const double expected = llama3_frequency(f, c);
+    EXPECT_NEAR(scaled[i].item<float>(), expected, 1e-6 * std::max(1.0, expected));
+    if (expected == f) ++unchanged;
+    else if (std::abs(expected - f / c.rope_factor) < 1e-12) ++divided;
+    else ++smoothed;
+  }
+  EXPECT_GT(unchanged, 0);
+  EXPECT_GT(divided, 0);
+  EXPECT_GT(smoothed, 0);
+}
+
+TEST(RopeTest, RotatesPairsByPositionAngle) {
+  auto c = rope_config("default");
+  auto inv = ops::rope_inv_freq(c);
+  auto positions = at::tensor({0L, 3L, 17L}, at::kLong).view({1, 3});
+  auto [cos, sin] = ops::rope_cos_sin(inv, positions, at::kFloat);
+  auto x = at::randn({1, 2, 3, 16});
+  auto y = ops::apply_rope(x, cos, sin);
+  for (int64_t s = 0; s < 3; ++s) {
+    const double pos = positions[0][s].item<int64_t>();
+    for (int64_t i = 0; i < 8; ++i) {
+      const double angle = pos * inv[i].item<float>();
+      for (int64_t h = 0; h < 2; ++h) {
+        const double a = x[0][h][s][i].item<float>(), b = x[0][h][s][i + 8].item<float>();
+        EXPECT_NEAR(y[0][h][s][i].item<float>(), a * std::cos(angle) - b * std::sin(angle), 1e-4);
+        EXPECT_NEAR(y[0][h][s][i + 8].item<float>(), b * std::cos(angle) + a * std::sin(angle), 1e-4);
+      }
+    }
+  }
+}
+
+TEST(RmsNormTest, MatchesDefinition) {
+  auto x = at::randn({2, 3, 8});
+  auto w = at::randn({8});
+  auto y = ops::rms_norm(x, w, 1e-6);
+  auto expected = w * x / at::sqrt(x.pow(2).mean(-1, true) + 1e-6);
+  EXPECT_TRUE(at::allclose(y, expected, 1e-5, 1e-6));
+}
+
+namespace {
+
+// Attention written the long way: keys = [prefix..., own], KV heads repeated, explicit mask.
+at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const std::vector<int64_t>& past, const PrefixList& prefixes, int64_t layer) {
+  const auto heads = q.size(0), steps = q.size(1), dim = q.size(2), kv_heads = k.size(0);
+  std::vector<at::Tensor> ks, vs;
+  for (const auto& p : prefixes) {
+    ks.push_back(p->keys[layer]);
+    vs.push_back(p->values[layer]);
+  }
+  ks.push_back(k);
+  vs.push_back(v);
+  auto keys = at::cat(ks, 1).repeat_interleave(heads / kv_heads, 0);
+  auto values = at::cat(vs, 1).repeat_interleave(heads / kv_heads, 0);
+  const int64_t plen = keys.size(1) - k.size(1);
+  auto scores = at::matmul(q, keys.transpose(1, 2)) / std::sqrt(static_cast<double>(dim));
+  for (int64_t i = 0; i < steps; ++i) {
+    for (int64_t t = 0; t < k.size(1); ++t) {
+      if (t > past[0] + i) scores.select(1, i).select(1, plen + t).fill_(-INFINITY);
+    }
+  }
+  return at::matmul(scores.softmax(-1), values);
+}
+
+PrefixPtr random_prefix(int64_t layers, int64_t kv_heads, int64_t len, int64_t dim) {
+  auto p = std::make_shared<KVPrefix>();
+  for (int64_t l = 0; l < layers; ++l) {
+    p->keys.push_back(at::randn({kv_heads, len, dim}));
+    p->values.push_back(at::randn({kv_heads, len, dim}));
+  }
+  return p;
+}
+
+}  // namespace
+
+TEST(AttentionTest, PrefixAndCausalMaskMatchReference) {
+  at::manual_seed(0);
+  const int64_t B = 3, H = 4, Hkv = 2, S = 5, D = 8, T = 9;
+  std::vector<int64_t> past = {4, 0, 2};  // own tokens already cached per row
+  auto q = at::randn({B, H, S, D});
+  auto k = at::randn({B, Hkv, T, D});
+  auto v = at::randn({B, Hkv, T, D});
+  auto p1 = random_prefix(2, Hkv, 3, D), p2 = random_prefix(2, Hkv, 6, D);
+  std::vector<PrefixList> per_row = {{p1}, {p1, p2}, {}};
+  auto mask = ops::causal_mask(past, S, T, at::TensorOptions().dtype(at::kFloat));
+  auto out = ops::attention(q, k, v, mask, per_row, /*layer=*/1, /*shared=*/false);
+  for (int64_t b = 0; b < B; ++b) {
+    auto expected = reference_attention(q[b], k[b], v[b], {past[b]}, per_row[b], 1);
+    // Only keys up to past + S exist for a row; the reference sees exactly those.
+    auto expected_trimmed = reference_attention(q[b], k[b].narrow(1, 0, past[b] + S), v[b].narrow(1, 0, past[b] + S),
+                                                {past[b]}, per_row[b], 1);
+    EXPECT_TRUE(at::allclose(out[b], expected, 1e-5, 1e-5)) << "row " << b;
+    EXPECT_TRUE(at::allclose(out[b], expected_trimmed, 1e-5, 1e-5)) << "row " << b;
+  }
+}
+
+TEST(AttentionTest, SharedPrefixPathEqualsPerRowPath) {
+  at::manual_seed(1);
+  const int64_t B = 4, H = 6, Hkv = 3, S = 2, D = 8, T = 7;
+  std::vector<int64_t> past = {5, 3, 5, 0};
+  auto q = at::randn({B, H, S, D});
+  auto k = at::randn({B, Hkv, T, D});
+  auto v = at::randn({B, Hkv, T, D});
+  auto p = random_prefix(1, Hkv, 4, D);
+  std::vector<PrefixList> rows(B, PrefixList{p});
+  auto mask = ops::causal_mask(past, S, T, at::TensorOptions().dtype(at::kFloat));
+  auto shared = ops::attention(q, k, v, mask, rows, 0, /*shared=*/true);
+  auto per_row = ops::attention(q, k, v, mask, rows, 0, /*shared=*/false);
+  EXPECT_TRUE(at::allclose(shared, per_row, 1e-5, 1e-6));
+}
+
+TEST(AttentionTest, GradientReachesPrefix) {
+  at::manual_seed(2);
+  auto p = std::make_shared<KVPrefix>();
+  p->keys.push_back(at::randn({1, 3, 4}).requires_grad_());
+  p->values.push_back(at::randn({1, 3, 4}).requires_grad_());
+  auto q = at::randn({1, 2, 2, 4}), k = at::randn({1, 1, 2, 4}), v = at::randn({1, 1, 2, 4});
+  auto mask = ops::causal_mask({0}, 2, 2, at::TensorOptions().dtype(at::kFloat));
+  auto out = ops::attention(q, k, v, mask, {{p}}, 0, true);
+  out.sum().backward();
+  ASSERT_TRUE(p->keys[0].grad().defined());
+  EXPECT_GT(p->values[0].grad().abs().sum().item<float>(), 0);
+}
