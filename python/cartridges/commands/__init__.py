@@ -1,0 +1,1 @@
+"""Subcommands of the `cartridges` CLI, one module each (see cartridges.cli)."""
