@@ -1,0 +1,220 @@
+#pragma once
+// Persistent state of the service: one SQLite database and a directory of blobs.
+//
+// Layout under StoreOptions::data_dir:
+//   store.db (+ -wal, -shm)  metadata; WAL mode, foreign keys on, migrations numbered in
+//                            code and applied at open (PRAGMA user_version = last applied)
+//   store.lock               flock: shared while a Store is open; the sweep at open runs
+//                            only when no other Store (any process) has the directory open
+//   blobs/<blob_id>          immutable contents, recorded in table `blobs` (size, CRC-32)
+//   blobs/tmp/<random>       writes in flight; a blob becomes visible only after
+//                            fsync(file) → rename → fsync(dir) → INSERT, and is removed
+//                            only after its row is deleted. The sweep at open removes
+//                            every temporary and every blob no row points to, so a crash
+//                            at any point never leaves a visible partial object.
+//
+// Isolation: every call on a user's objects takes an Owner. A user's Owner sees only that
+// user's objects; an object of another user is answered exactly like a missing one
+// (NotFoundError with the same message). Only an admin Owner sees every user's objects.
+//
+// Thread safety: a Store may be shared by threads (one connection behind a mutex). A
+// BlobWriter is used by one thread at a time.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+struct sqlite3;
+
+namespace cartridges {
+
+// Every failure of the store. Subclasses say what the caller can do about it.
+class StoreError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+// Unknown id, or an object owned by someone else (indistinguishable on purpose).
+class NotFoundError : public StoreError {
+ public:
+  using StoreError::StoreError;
+};
+// The object exists but its state forbids the action (e.g. a duplicate user name, the text
+// of a file that is not processed yet).
+class ConflictError : public StoreError {
+ public:
+  using StoreError::StoreError;
+};
+// Something on disk is damaged: a blob missing, truncated or failing its checksum.
+class CorruptError : public StoreError {
+ public:
+  using StoreError::StoreError;
+};
+
+struct StoreOptions {
+  // Directory holding store.db and blobs/; created if missing. Required.
+  std::string data_dir;
+  // fsync each blob before its rename and the directory after it. Default true; turn it off
+  // only for throwaway stores (bulk loads in benchmarks), never for a server.
+  bool sync = true;
+  // How long a statement waits for a lock held by another process, in ms. Default 5000.
+  int busy_timeout_ms = 5000;
+  // Run `PRAGMA quick_check` at open and refuse a damaged database. Default true.
+  bool check_at_open = true;
+};
+
+// Who is asking. Built by the HTTP layer from the API key; the store enforces it.
+struct Owner {
+  int64_t user_id = 0;
+  bool admin = false;  // acts on every user's objects; objects it creates belong to user_id
+  static Owner user(int64_t id) { return Owner{id, false}; }
+  static Owner administrator(int64_t id = 0) { return Owner{id, true}; }
+};
+
+struct User {
+  int64_t id = 0;
+  std::string name;  // [A-Za-z0-9._-]{1,64}
+  int64_t created_at = 0;
+};
+
+struct ApiKeyInfo {
+  int64_t id = 0;
+  int64_t user_id = 0;
+  std::string user_name;
+  std::string hint;  // a displayable prefix of the key, never the key
+  int64_t created_at = 0;
+  std::optional<int64_t> revoked_at;
+};
+
+struct FileRecord {
+  std::string id;  // "file-" + 24 characters [A-Za-z0-9]
+  int64_t owner_id = 0;
+  std::string filename;
+  std::string purpose;
+  int64_t bytes = 0;
+  int64_t created_at = 0;   // Unix seconds
+  std::string status;       // "uploaded" | "processed" | "error"
+  std::optional<std::string> status_details;
+};
+
+struct FileQuery {
+  std::optional<std::string> purpose;  // only files with this purpose
+  std::optional<std::string> status;   // only files in this status
+  std::optional<std::string> after;    // page starts after this id (NotFoundError if unseen)
+  int64_t limit = 10000;               // 1..10000
+  bool descending = true;              // by created_at, then insertion order
+};
+
+struct FilePage {
+  std::vector<FileRecord> data;
+  bool has_more = false;
+};
+
+// A blob being written: bytes go to blobs/tmp/<random>. Store::create_file (or another
+// committing call) makes it permanent; destroying an uncommitted writer removes it.
+class BlobWriter {
+ public:
+  ~BlobWriter();
+  BlobWriter(const BlobWriter&) = delete;
+  BlobWriter& operator=(const BlobWriter&) = delete;
+
+  void write(const char* data, size_t size);
+  // Removes the temporary file; the writer is unusable afterwards. Idempotent.
+  void abort();
+  int64_t bytes() const { return bytes_; }
+  uint32_t crc32() const { return crc_; }
+  bool open() const { return fd_ >= 0; }
+
+ private:
+  friend class Store;
+  BlobWriter(std::string tmp_path, bool sync);
+  // fsync + close; the temporary file stays until renamed by the store.
+  void finish();
+
+  std::string tmp_path_;
+  bool sync_;
+  int fd_ = -1;
+  int64_t bytes_ = 0;
+  uint32_t crc_ = 0;
+};
+
+class Store {
+ public:
+  // Opens (creating if needed) the store in options.data_dir, applies pending migrations and
+  // sweeps leftovers. Throws StoreError with the reason when the database is unreadable.
+  explicit Store(StoreOptions options);
+  ~Store();
+  Store(const Store&) = delete;
+  Store& operator=(const Store&) = delete;
+
+  // Closes the database and releases the directory; any later call throws StoreError.
+  void close();
+  const StoreOptions& options() const { return options_; }
+  int schema_version();
+  // How many leftovers (temporaries, unrecorded blobs) the sweep at open removed.
+  int64_t swept_at_open() const { return swept_; }
+
+  // ---- users and API keys (keys are stored as hashes only) ----
+  User create_user(const std::string& name);  // ConflictError if the name is taken
+  std::optional<User> find_user(const std::string& name);
+  std::vector<User> list_users();
+  // key_hash: hex SHA-256 of the key, computed by the caller; hint: a displayable prefix.
+  ApiKeyInfo add_key(int64_t user_id, const std::string& key_hash, const std::string& hint);
+  // The user of a key that exists and is not revoked.
+  std::optional<User> user_for_key(const std::string& key_hash);
+  std::vector<ApiKeyInfo> list_keys();
+  void revoke_key(int64_t key_id);  // NotFoundError if unknown or already revoked
+
+  // ---- blobs ----
+  std::unique_ptr<BlobWriter> begin_blob();
+
+  // ---- files ----
+  // Commits the writer's blob and records a file with status "uploaded".
+  FileRecord create_file(const Owner& owner, BlobWriter& content, const std::string& filename,
+                         const std::string& purpose);
+  FileRecord get_file(const Owner& owner, const std::string& id);
+  FilePage list_files(const Owner& owner, const FileQuery& query);
+  // Removes the record, then the blobs (content and text).
+  void delete_file(const Owner& owner, const std::string& id);
+  // status → "processed". text: the extracted text, stored as its own blob; nullopt when the
+  // content itself is the text (UTF-8 .txt/.md).
+  void set_file_processed(const Owner& owner, const std::string& id, const std::optional<std::string>& text);
+  // status → "error" with a human-readable reason.
+  void set_file_error(const Owner& owner, const std::string& id, const std::string& details);
+  // Path of the content blob, after checking it exists with the recorded size (CorruptError).
+  std::string file_content_path(const Owner& owner, const std::string& id);
+  // Reads the content blob whole and checks its CRC-32 (CorruptError).
+  void verify_file(const Owner& owner, const std::string& id);
+  // The text that training and chat use; ConflictError unless processed, CorruptError if damaged.
+  std::string file_text(const Owner& owner, const std::string& id);
+
+ private:
+  struct BlobRef {
+    std::string id;
+    int64_t bytes;
+    uint32_t crc;
+  };
+  sqlite3* db();  // the open connection, or StoreError
+  void migrate();
+  int64_t sweep();
+  BlobRef commit_blob(BlobWriter& writer);  // rename into blobs/ (not yet recorded)
+  void remove_blob_file(const std::string& blob_id);
+  std::string blob_path(const std::string& blob_id) const;
+  // Reads a blob whole, checking size and CRC-32 (CorruptError); returns it when keep.
+  std::string read_blob(const BlobRef& blob, const std::string& what, bool keep) const;
+  // Locked helpers.
+  FileRecord get_file_locked(const Owner& owner, const std::string& id);
+  BlobRef file_blob_locked(const Owner& owner, const std::string& id, bool text);
+
+  StoreOptions options_;
+  std::mutex mutex_;
+  sqlite3* db_ = nullptr;
+  int lock_fd_ = -1;
+  int64_t swept_ = 0;
+};
+
+}  // namespace cartridges

@@ -1,0 +1,550 @@
+// The store: SQLite metadata + blob files. See cartridges/store.h for the on-disk layout.
+#include "cartridges/store.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cerrno>
+#include <ctime>
+#include <stdexcept>
+#include <unordered_set>
+
+#include "store/blob_io.h"
+#include "store/schema.h"
+#include "store/sqlite.h"
+
+namespace cartridges {
+
+namespace {
+
+using sql::Stmt;
+using sql::Transaction;
+
+constexpr int64_t kMaxListLimit = 10000;
+constexpr size_t kFileIdChars = 24;
+constexpr size_t kBlobIdChars = 32;
+constexpr size_t kReadChunk = 1 << 20;
+
+int64_t now() { return static_cast<int64_t>(std::time(nullptr)); }
+
+void check_user_name(const std::string& name) {
+  bool ok = !name.empty() && name.size() <= 64;
+  for (char c : name) {
+    ok = ok && (std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-');
+  }
+  if (!ok) throw std::invalid_argument("invalid user name '" + name + "': use 1 to 64 characters [A-Za-z0-9._-]");
+}
+
+std::string file_not_found(const std::string& id) { return "No such file: '" + id + "'"; }
+
+// The columns FileRecord reads, in order, and the reader.
+constexpr const char* kFileColumns =
+    "id, owner_id, filename, purpose, bytes, created_at, status, status_details";
+
+FileRecord read_file_row(const Stmt& s) {
+  FileRecord f;
+  f.id = s.text(0);
+  f.owner_id = s.int64(1);
+  f.filename = s.text(2);
+  f.purpose = s.text(3);
+  f.bytes = s.int64(4);
+  f.created_at = s.int64(5);
+  f.status = s.text(6);
+  f.status_details = s.opt_text(7);
+  return f;
+}
+
+// Removes a committed-but-unrecorded blob unless disarmed: keeps the "no row, no blob" rule
+// when recording fails.
+class BlobGuard {
+ public:
+  explicit BlobGuard(std::string path) : path_(std::move(path)) {}
+  ~BlobGuard() {
+    if (!path_.empty()) ::unlink(path_.c_str());
+  }
+  void disarm() { path_.clear(); }
+
+ private:
+  std::string path_;
+};
+
+}  // namespace
+
+Store::Store(StoreOptions options) : options_(std::move(options)) {
+  if (options_.data_dir.empty()) throw std::invalid_argument("StoreOptions.data_dir is required");
+  while (options_.data_dir.size() > 1 && options_.data_dir.back() == '/') options_.data_dir.pop_back();
+  const std::string& dir = options_.data_dir;
+  store_io::make_dirs(dir + "/blobs/tmp");
+
+  const std::string lock_path = dir + "/store.lock";
+  lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock_fd_ < 0) throw StoreError(store_io::errno_message("cannot open", lock_path));
+  // Exclusive if nobody else has the directory open: only then is sweeping safe.
+  const bool exclusive = ::flock(lock_fd_, LOCK_EX | LOCK_NB) == 0;
+  if (!exclusive) ::flock(lock_fd_, LOCK_SH);
+
+  const std::string db_path = dir + "/store.db";
+  try {
+    int rc = sqlite3_open_v2(db_path.c_str(), &db_, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, nullptr);
+    if (rc != SQLITE_OK) sql::fail(db_, rc, "cannot open database");
+    sqlite3_extended_result_codes(db_, 1);
+    sqlite3_busy_timeout(db_, options_.busy_timeout_ms);
+    sql::exec(db_, "PRAGMA journal_mode = WAL");
+    sql::exec(db_, "PRAGMA foreign_keys = ON");
+    sql::exec(db_, options_.sync ? "PRAGMA synchronous = FULL" : "PRAGMA synchronous = OFF");
+    if (options_.check_at_open) {
+      Stmt check(db_, "PRAGMA quick_check");
+      std::string problems;
+      while (check.step()) {
+        std::string row = check.text(0);
+        if (row != "ok") problems += (problems.empty() ? "" : "; ") + row;
+      }
+      if (!problems.empty()) throw CorruptError("database damaged: " + problems);
+    }
+    migrate();
+    if (exclusive) swept_ = sweep();
+  } catch (const StoreError& e) {
+    close();
+    // Keep the subclass (CorruptError stays CorruptError) and name the file.
+    if (dynamic_cast<const CorruptError*>(&e)) throw CorruptError(db_path + ": " + e.what());
+    throw StoreError(db_path + ": " + e.what());
+  }
+  if (exclusive) ::flock(lock_fd_, LOCK_SH);
+}
+
+Store::~Store() { close(); }
+
+void Store::close() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (db_) {
+    sqlite3_close_v2(db_);
+    db_ = nullptr;
+  }
+  if (lock_fd_ >= 0) {
+    ::close(lock_fd_);  // releases the flock
+    lock_fd_ = -1;
+  }
+}
+
+sqlite3* Store::db() {
+  if (!db_) throw StoreError("store is closed");
+  return db_;
+}
+
+int Store::schema_version() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Stmt s(db(), "PRAGMA user_version");
+  s.step();
+  return static_cast<int>(s.int64(0));
+}
+
+void Store::migrate() {
+  const auto& all = schema::migrations();
+  int64_t version;
+  {
+    Stmt s(db_, "PRAGMA user_version");
+    s.step();
+    version = s.int64(0);
+  }
+  if (version > static_cast<int64_t>(all.size())) {
+    throw StoreError("database schema version " + std::to_string(version) + " is newer than this build knows (" +
+                     std::to_string(all.size()) + ")");
+  }
+  for (size_t i = static_cast<size_t>(version); i < all.size(); ++i) {
+    Transaction tx(db_);
+    sql::exec(db_, all[i]);
+    sql::exec(db_, ("PRAGMA user_version = " + std::to_string(i + 1)).c_str());
+    tx.commit();
+  }
+}
+
+int64_t Store::sweep() {
+  int64_t removed = 0;
+  const std::string blobs = options_.data_dir + "/blobs";
+  auto each_entry = [](const std::string& path, auto&& fn) {
+    DIR* d = ::opendir(path.c_str());
+    if (!d) throw StoreError(store_io::errno_message("cannot list", path));
+    while (dirent* e = ::readdir(d)) {
+      std::string name = e->d_name;
+      if (name != "." && name != "..") fn(name);
+    }
+    ::closedir(d);
+  };
+  each_entry(blobs + "/tmp", [&](const std::string& name) {
+    if (::unlink((blobs + "/tmp/" + name).c_str()) == 0) ++removed;
+  });
+  std::unordered_set<std::string> recorded;
+  {
+    Stmt s(db_, "SELECT id FROM blobs");
+    while (s.step()) recorded.insert(s.text(0));
+  }
+  each_entry(blobs, [&](const std::string& name) {
+    if (name == "tmp" || recorded.count(name)) return;
+    struct stat st {};
+    std::string path = blobs + "/" + name;
+    if (::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::unlink(path.c_str()) == 0) ++removed;
+  });
+  return removed;
+}
+
+// ---- users and keys ----
+
+User Store::create_user(const std::string& name) {
+  check_user_name(name);
+  std::lock_guard<std::mutex> lock(mutex_);
+  User user{0, name, now()};
+  try {
+    Stmt(db(), "INSERT INTO users (name, created_at) VALUES (?1, ?2)").bind(1, name).bind(2, user.created_at).run();
+  } catch (const ConflictError&) {
+    throw ConflictError("user '" + name + "' already exists");
+  }
+  user.id = sqlite3_last_insert_rowid(db_);
+  return user;
+}
+
+std::optional<User> Store::find_user(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Stmt s(db(), "SELECT id, name, created_at FROM users WHERE name = ?1");
+  s.bind(1, name);
+  if (!s.step()) return std::nullopt;
+  return User{s.int64(0), s.text(1), s.int64(2)};
+}
+
+std::vector<User> Store::list_users() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Stmt s(db(), "SELECT id, name, created_at FROM users ORDER BY id");
+  std::vector<User> out;
+  while (s.step()) out.push_back(User{s.int64(0), s.text(1), s.int64(2)});
+  return out;
+}
+
+ApiKeyInfo Store::add_key(int64_t user_id, const std::string& key_hash, const std::string& hint) {
+  if (key_hash.size() < 32) throw std::invalid_argument("key_hash must be a hex digest");
+  std::lock_guard<std::mutex> lock(mutex_);
+  Stmt u(db(), "SELECT name FROM users WHERE id = ?1");
+  u.bind(1, user_id);
+  if (!u.step()) throw NotFoundError("No such user: " + std::to_string(user_id));
+  ApiKeyInfo info{0, user_id, u.text(0), hint, now(), std::nullopt};
+  try {
+    Stmt(db_, "INSERT INTO api_keys (user_id, key_hash, hint, created_at) VALUES (?1, ?2, ?3, ?4)")
+        .bind(1, user_id)
+        .bind(2, key_hash)
+        .bind(3, hint)
+        .bind(4, info.created_at)
+        .run();
+  } catch (const ConflictError&) {
+    throw ConflictError("this key is already registered");
+  }
+  info.id = sqlite3_last_insert_rowid(db_);
+  return info;
+}
+
+std::optional<User> Store::user_for_key(const std::string& key_hash) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Stmt s(db(),
+         "SELECT u.id, u.name, u.created_at FROM api_keys k JOIN users u ON u.id = k.user_id "
+         "WHERE k.key_hash = ?1 AND k.revoked_at IS NULL");
+  s.bind(1, key_hash);
+  if (!s.step()) return std::nullopt;
+  return User{s.int64(0), s.text(1), s.int64(2)};
+}
+
+std::vector<ApiKeyInfo> Store::list_keys() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Stmt s(db(),
+         "SELECT k.id, k.user_id, u.name, k.hint, k.created_at, k.revoked_at FROM api_keys k "
+         "JOIN users u ON u.id = k.user_id ORDER BY k.id");
+  std::vector<ApiKeyInfo> out;
+  while (s.step()) out.push_back(ApiKeyInfo{s.int64(0), s.int64(1), s.text(2), s.text(3), s.int64(4), s.opt_int64(5)});
+  return out;
+}
+
+void Store::revoke_key(int64_t key_id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Stmt(db(), "UPDATE api_keys SET revoked_at = ?1 WHERE id = ?2 AND revoked_at IS NULL")
+      .bind(1, now())
+      .bind(2, key_id)
+      .run();
+  if (sqlite3_changes(db_) == 0) throw NotFoundError("No active key with id " + std::to_string(key_id));
+}
+
+// ---- blobs ----
+
+std::unique_ptr<BlobWriter> Store::begin_blob() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    db();  // refuse on a closed store
+  }
+  std::string tmp = options_.data_dir + "/blobs/tmp/" + store_io::random_token(kBlobIdChars, store_io::kLowerHex);
+  return std::unique_ptr<BlobWriter>(new BlobWriter(tmp, options_.sync));
+}
+
+std::string Store::blob_path(const std::string& blob_id) const { return options_.data_dir + "/blobs/" + blob_id; }
+
+Store::BlobRef Store::commit_blob(BlobWriter& writer) {
+  writer.finish();
+  BlobRef ref{store_io::random_token(kBlobIdChars, store_io::kLowerHex), writer.bytes(), writer.crc32()};
+  const std::string path = blob_path(ref.id);
+  if (::rename(writer.tmp_path_.c_str(), path.c_str()) != 0) {
+    std::string message = store_io::errno_message("cannot rename into", path);
+    writer.abort();
+    throw StoreError(message);
+  }
+  writer.tmp_path_.clear();  // now owned by the caller, who records or removes it
+  if (options_.sync) {
+    try {
+      store_io::fsync_dir(options_.data_dir + "/blobs");
+    } catch (...) {
+      ::unlink(path.c_str());
+      throw;
+    }
+  }
+  return ref;
+}
+
+void Store::remove_blob_file(const std::string& blob_id) {
+  // A failure leaves an unrecorded blob, which the next sweep removes.
+  ::unlink(blob_path(blob_id).c_str());
+}
+
+std::string Store::read_blob(const BlobRef& blob, const std::string& what, bool keep) const {
+  const std::string path = blob_path(blob.id);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw CorruptError(what + " is missing (blob " + blob.id + ")");
+  std::string out;
+  uint32_t crc = 0;
+  int64_t total = 0;
+  std::string chunk(kReadChunk, '\0');
+  while (true) {
+    ssize_t n = ::read(fd, chunk.data(), chunk.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      ::close(fd);
+      throw CorruptError(store_io::errno_message(what + " cannot be read:", path));
+    }
+    if (n == 0) break;
+    crc = store_io::crc32_update(crc, chunk.data(), static_cast<size_t>(n));
+    total += n;
+    if (total > blob.bytes) break;  // longer than recorded: damaged, stop reading
+    if (keep) out.append(chunk.data(), static_cast<size_t>(n));
+  }
+  ::close(fd);
+  if (total != blob.bytes) {
+    throw CorruptError(what + " is damaged: expected " + std::to_string(blob.bytes) + " bytes, found " +
+                       (total > blob.bytes ? "more" : std::to_string(total)));
+  }
+  if (crc != blob.crc) throw CorruptError(what + " is damaged: checksum mismatch");
+  return out;
+}
+
+// ---- files ----
+
+FileRecord Store::create_file(const Owner& owner, BlobWriter& content, const std::string& filename,
+                              const std::string& purpose) {
+  if (filename.empty() || purpose.empty()) throw std::invalid_argument("filename and purpose are required");
+  BlobRef blob = commit_blob(content);
+  BlobGuard guard(blob_path(blob.id));
+  FileRecord f;
+  f.id = "file-" + store_io::random_token(kFileIdChars, store_io::kAlphanumeric);
+  f.owner_id = owner.user_id;
+  f.filename = filename;
+  f.purpose = purpose;
+  f.bytes = blob.bytes;
+  f.created_at = now();
+  f.status = "uploaded";
+  std::lock_guard<std::mutex> lock(mutex_);
+  Transaction tx(db());
+  Stmt(db_, "INSERT INTO blobs (id, bytes, crc32, created_at) VALUES (?1, ?2, ?3, ?4)")
+      .bind(1, blob.id)
+      .bind(2, blob.bytes)
+      .bind(3, static_cast<int64_t>(blob.crc))
+      .bind(4, f.created_at)
+      .run();
+  Stmt(db_,
+       "INSERT INTO files (id, owner_id, filename, purpose, bytes, created_at, status, blob_id) "
+       "VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'uploaded', ?7)")
+      .bind(1, f.id)
+      .bind(2, f.owner_id)
+      .bind(3, f.filename)
+      .bind(4, f.purpose)
+      .bind(5, f.bytes)
+      .bind(6, f.created_at)
+      .bind(7, blob.id)
+      .run();
+  tx.commit();
+  guard.disarm();
+  return f;
+}
+
+FileRecord Store::get_file_locked(const Owner& owner, const std::string& id) {
+  Stmt s(db(), (std::string("SELECT ") + kFileColumns + " FROM files WHERE id = ?1 AND (?2 OR owner_id = ?3)").c_str());
+  s.bind(1, id).bind(2, int64_t{owner.admin}).bind(3, owner.user_id);
+  if (!s.step()) throw NotFoundError(file_not_found(id));
+  return read_file_row(s);
+}
+
+FileRecord Store::get_file(const Owner& owner, const std::string& id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return get_file_locked(owner, id);
+}
+
+FilePage Store::list_files(const Owner& owner, const FileQuery& query) {
+  if (query.limit < 1 || query.limit > kMaxListLimit) throw std::invalid_argument("limit must be between 1 and 10000");
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::optional<std::pair<int64_t, int64_t>> cursor;
+  if (query.after) {
+    Stmt c(db(), "SELECT created_at, seq FROM files WHERE id = ?1 AND (?2 OR owner_id = ?3)");
+    c.bind(1, *query.after).bind(2, int64_t{owner.admin}).bind(3, owner.user_id);
+    if (!c.step()) throw NotFoundError(file_not_found(*query.after));
+    cursor = std::make_pair(c.int64(0), c.int64(1));
+  }
+  // Separate statements for users and admin let SQLite use the matching index.
+  std::string sql = std::string("SELECT ") + kFileColumns + " FROM files WHERE 1";
+  if (!owner.admin) sql += " AND owner_id = ?1";
+  if (query.purpose) sql += " AND purpose = ?2";
+  if (query.status) sql += " AND status = ?3";
+  const char* dir = query.descending ? "DESC" : "ASC";
+  if (cursor) sql += query.descending ? " AND (created_at, seq) < (?4, ?5)" : " AND (created_at, seq) > (?4, ?5)";
+  sql += std::string(" ORDER BY created_at ") + dir + ", seq " + dir + " LIMIT ?6";
+  Stmt s(db_, sql.c_str());
+  if (!owner.admin) s.bind(1, owner.user_id);
+  if (query.purpose) s.bind(2, *query.purpose);
+  if (query.status) s.bind(3, *query.status);
+  if (cursor) s.bind(4, cursor->first).bind(5, cursor->second);
+  s.bind(6, query.limit + 1);
+  FilePage page;
+  while (s.step()) page.data.push_back(read_file_row(s));
+  if (static_cast<int64_t>(page.data.size()) > query.limit) {
+    page.data.pop_back();
+    page.has_more = true;
+  }
+  return page;
+}
+
+void Store::delete_file(const Owner& owner, const std::string& id) {
+  std::vector<std::string> blob_ids;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Transaction tx(db());
+    Stmt s(db_, "SELECT blob_id, text_blob_id FROM files WHERE id = ?1 AND (?2 OR owner_id = ?3)");
+    s.bind(1, id).bind(2, int64_t{owner.admin}).bind(3, owner.user_id);
+    if (!s.step()) throw NotFoundError(file_not_found(id));
+    blob_ids.push_back(s.text(0));
+    if (auto text = s.opt_text(1)) blob_ids.push_back(*text);
+    Stmt(db_, "DELETE FROM files WHERE id = ?1").bind(1, id).run();
+    for (const auto& b : blob_ids) Stmt(db_, "DELETE FROM blobs WHERE id = ?1").bind(1, b).run();
+    tx.commit();
+  }
+  for (const auto& b : blob_ids) remove_blob_file(b);
+}
+
+void Store::set_file_processed(const Owner& owner, const std::string& id, const std::optional<std::string>& text) {
+  std::optional<BlobRef> blob;
+  std::optional<BlobGuard> guard;
+  if (text) {
+    auto writer = begin_blob();
+    writer->write(text->data(), text->size());
+    blob = commit_blob(*writer);
+    guard.emplace(blob_path(blob->id));
+  }
+  std::optional<std::string> old_text;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Transaction tx(db());
+    Stmt s(db_, "SELECT text_blob_id FROM files WHERE id = ?1 AND (?2 OR owner_id = ?3)");
+    s.bind(1, id).bind(2, int64_t{owner.admin}).bind(3, owner.user_id);
+    if (!s.step()) throw NotFoundError(file_not_found(id));  // e.g. deleted while processing
+    old_text = s.opt_text(0);
+    std::optional<std::string> new_text;
+    if (blob) {
+      Stmt(db_, "INSERT INTO blobs (id, bytes, crc32, created_at) VALUES (?1, ?2, ?3, ?4)")
+          .bind(1, blob->id)
+          .bind(2, blob->bytes)
+          .bind(3, static_cast<int64_t>(blob->crc))
+          .bind(4, now())
+          .run();
+      new_text = blob->id;
+    }
+    Stmt(db_, "UPDATE files SET status = 'processed', status_details = NULL, text_blob_id = ?2 WHERE id = ?1")
+        .bind(1, id)
+        .bind(2, new_text)
+        .run();
+    if (old_text) Stmt(db_, "DELETE FROM blobs WHERE id = ?1").bind(1, *old_text).run();
+    tx.commit();
+  }
+  if (guard) guard->disarm();
+  if (old_text) remove_blob_file(*old_text);
+}
+
+void Store::set_file_error(const Owner& owner, const std::string& id, const std::string& details) {
+  std::optional<std::string> old_text;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Transaction tx(db());
+    Stmt s(db_, "SELECT text_blob_id FROM files WHERE id = ?1 AND (?2 OR owner_id = ?3)");
+    s.bind(1, id).bind(2, int64_t{owner.admin}).bind(3, owner.user_id);
+    if (!s.step()) throw NotFoundError(file_not_found(id));
+    old_text = s.opt_text(0);
+    Stmt(db_, "UPDATE files SET status = 'error', status_details = ?2, text_blob_id = NULL WHERE id = ?1")
+        .bind(1, id)
+        .bind(2, details)
+        .run();
+    if (old_text) Stmt(db_, "DELETE FROM blobs WHERE id = ?1").bind(1, *old_text).run();
+    tx.commit();
+  }
+  if (old_text) remove_blob_file(*old_text);
+}
+
+Store::BlobRef Store::file_blob_locked(const Owner& owner, const std::string& id, bool text) {
+  Stmt s(db(),
+         "SELECT f.status, b.id, b.bytes, b.crc32 FROM files f "
+         "JOIN blobs b ON b.id = (CASE WHEN ?4 THEN COALESCE(f.text_blob_id, f.blob_id) ELSE f.blob_id END) "
+         "WHERE f.id = ?1 AND (?2 OR f.owner_id = ?3)");
+  s.bind(1, id).bind(2, int64_t{owner.admin}).bind(3, owner.user_id).bind(4, int64_t{text});
+  if (!s.step()) throw NotFoundError(file_not_found(id));
+  std::string status = s.text(0);
+  if (text && status != "processed") {
+    throw ConflictError("file '" + id + "' is not processed (status: " + status + ")");
+  }
+  return BlobRef{s.text(1), s.int64(2), static_cast<uint32_t>(s.int64(3))};
+}
+
+std::string Store::file_content_path(const Owner& owner, const std::string& id) {
+  BlobRef blob;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    blob = file_blob_locked(owner, id, false);
+  }
+  const std::string path = blob_path(blob.id);
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) throw CorruptError("content of file '" + id + "' is missing");
+  if (st.st_size != blob.bytes) {
+    throw CorruptError("content of file '" + id + "' is damaged: expected " + std::to_string(blob.bytes) +
+                       " bytes, found " + std::to_string(st.st_size));
+  }
+  return path;
+}
+
+void Store::verify_file(const Owner& owner, const std::string& id) {
+  BlobRef blob;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    blob = file_blob_locked(owner, id, false);
+  }
+  read_blob(blob, "content of file '" + id + "'", /*keep=*/false);
+}
+
+std::string Store::file_text(const Owner& owner, const std::string& id) {
+  BlobRef blob;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    blob = file_blob_locked(owner, id, true);
+  }
+  return read_blob(blob, "text of file '" + id + "'", /*keep=*/true);
+}
+
+}  // namespace cartridges

@@ -1,0 +1,73 @@
+"""Dependencies of the routes, as `Annotated` aliases: the store, settings, the caller."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from cartridges.server.errors import APIError
+from cartridges.server.keys import hash_key
+from cartridges.server.settings import Settings
+
+
+def get_store(request: Request) -> Any:
+    return request.app.state.store
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+StoreDep = Annotated[Any, Depends(get_store)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The caller, from its API key."""
+
+    user_id: int
+    name: str
+    admin: bool = False
+
+    @property
+    def owner(self) -> Any:
+        """What the store takes on every call; the store enforces it."""
+        from cartridges.server.storage import core
+
+        return core().Owner(self.user_id, self.admin)
+
+
+_bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <API key>`")
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def current_user(
+    request: Request,
+    store: StoreDep,
+    _credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
+) -> Principal:
+    header = request.headers.get("authorization")
+    if header is None:
+        raise _unauthorized("Missing API key: send 'Authorization: Bearer <API key>'.")
+    scheme, _, key = header.strip().partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key or " " in key:
+        raise _unauthorized("Malformed Authorization header: expected 'Bearer <API key>'.")
+    admin_key = request.app.state.settings.admin_key
+    if admin_key and hmac.compare_digest(key.encode(), admin_key.encode()):
+        return Principal(request.app.state.admin_user_id, "admin", admin=True)
+    user = store.user_for_key(hash_key(key))
+    if user is None:
+        raise _unauthorized("Incorrect API key provided.")
+    return Principal(user.id, user.name)
+
+
+CurrentUser = Annotated[Principal, Depends(current_user)]

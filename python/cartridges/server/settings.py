@@ -1,0 +1,70 @@
+"""Server settings: command-line values over environment variables over defaults."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+MiB = 1 << 20
+# API.md §5: the largest file an upload may carry.
+MAX_UPLOAD_BYTES = 512 * MiB
+
+# Field name → environment variable.
+ENV_VARS = {
+    "host": "CARTRIDGES_HOST",
+    "port": "CARTRIDGES_PORT",
+    "data_dir": "CARTRIDGES_DATA_DIR",
+    "model": "CARTRIDGES_MODEL",
+    "max_upload_bytes": "CARTRIDGES_MAX_UPLOAD_BYTES",
+    "api_key": "CARTRIDGES_API_KEY",
+    "admin_key": "CARTRIDGES_ADMIN_KEY",
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"
+    """Interface to listen on."""
+    port: int = 8000
+    """TCP port to listen on."""
+    data_dir: Path = Path("cartridges-data")
+    """Directory of the store (SQLite database and blobs); created if missing."""
+    model: str | None = None
+    """Base model: a Hugging Face directory or a GGUF file; None is the embedded default model."""
+    max_upload_bytes: int = MAX_UPLOAD_BYTES
+    """Largest accepted file; a larger upload is refused with 413 while it streams in."""
+    api_key: str | None = None
+    """Key given to user `default` when the store has no users yet (else a fresh one is printed)."""
+    admin_key: str | None = None
+    """A key that may act on every user's objects; None disables it."""
+    store_sync: bool = True
+    """fsync blobs and directories (off only for throwaway stores in benchmarks)."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
+        """Defaults, then CARTRIDGES_* variables, then the overrides that are not None."""
+        environ = os.environ if environ is None else environ
+        types = {f.name: f.type for f in fields(cls)}
+        values: dict[str, object] = {}
+        for name, var in ENV_VARS.items():
+            raw = environ.get(var)
+            if raw is not None and raw != "":
+                values[name] = _convert(name, types[name], raw, var)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if "data_dir" in values:
+            values["data_dir"] = Path(values["data_dir"])  # type: ignore[arg-type]
+        settings = replace(cls(), **values)
+        if settings.max_upload_bytes < 1:
+            raise ValueError("max_upload_bytes must be positive")
+        return settings
+
+
+def _convert(name: str, type_name: object, raw: str, var: str) -> object:
+    if type_name == "int":
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{var} must be an integer, got {raw!r}") from None
+    return raw

@@ -1,0 +1,111 @@
+"""In-process pieces: settings, filenames, extraction, the keys command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cartridges.cli import main
+from cartridges.server.extraction import ExtractionError, extract_text
+from cartridges.server.settings import MAX_UPLOAD_BYTES, Settings
+from cartridges.server.uploads import safe_filename
+from tests.server.conftest import make_pdf
+
+
+def test_settings_precedence() -> None:
+    assert Settings.from_env({}) == Settings()
+    assert (Settings().host, Settings().port, Settings().data_dir) == ("127.0.0.1", 8000, Path("cartridges-data"))
+    assert Settings().max_upload_bytes == MAX_UPLOAD_BYTES == 512 << 20
+    env = {"CARTRIDGES_PORT": "9001", "CARTRIDGES_DATA_DIR": "/d", "CARTRIDGES_MAX_UPLOAD_BYTES": "10",
+           "CARTRIDGES_ADMIN_KEY": "adm", "CARTRIDGES_MODEL": "m.gguf"}
+    s = Settings.from_env(env, port=None, data_dir="/cli")
+    assert (s.port, s.data_dir, s.max_upload_bytes, s.admin_key, s.model) == (9001, Path("/cli"), 10, "adm", "m.gguf")
+    with pytest.raises(ValueError, match="CARTRIDGES_PORT"):
+        Settings.from_env({"CARTRIDGES_PORT": "eighty"})
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [("a/b/c.txt", "c.txt"), ("C:\\x\\y.md", "y.md"), ("..", ""), ("a\u200b\x7f.csv", "a.csv"),
+     ("\u00e9" * 200 + ".json", "\u00e9" * 125 + ".json")],
+)
+def test_safe_filename(raw: str, expected: str) -> None:
+    assert safe_filename(raw) == expected
+    assert len(safe_filename(raw).encode()) <= 255
+
+
+def test_extraction(tmp_path: Path) -> None:
+    def extract(name: str, content: bytes) -> str | None:
+        path = tmp_path / name
+        path.write_bytes(content)
+        return extract_text(str(path), name)
+
+    assert extract("a.txt", "caf\u00e9".encode()) is None  # the content is the text
+    assert extract("a.json", b'{"k": ["v", 1]}') == '{\n  "k": [\n    "v",\n    1\n  ]\n}'
+    assert extract("a.jsonl", b'{"a":1}\n\n{"b":2}\n') == '{"a": 1}\n{"b": 2}'
+    assert extract("a.csv", b"name,n\nx,1\ny,2\n") == "name: x | n: 1\nname: y | n: 2"
+    assert "Hello PDF" in (extract("a.pdf", make_pdf("Hello PDF")) or "")
+    # The offset of a bad byte is reported even when it falls across read chunks.
+    big = b"a" * ((1 << 20) - 1) + "\u00e9".encode()[:1] + b"b"
+    with pytest.raises(ExtractionError, match=f"offset {(1 << 20) - 1}"):
+        extract("big.txt", big)
+    with pytest.raises(ExtractionError, match="offset 3"):
+        extract("end.md", b"abc" + "\u00e9".encode()[:1])
+
+
+def test_keys_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = str(tmp_path / "data")
+    assert main(["keys", "--data-dir", data, "create", "--user", "carol"]) == 0
+    key = capsys.readouterr().out.strip()
+    assert key.startswith("sk-cart-") and len(key) >= 8 + 32
+    assert main(["keys", "create", "--user", "carol", "--data-dir", data]) == 0
+    second = capsys.readouterr().out.strip()
+    assert second != key
+    assert main(["keys", "list", "--data-dir", data]) == 0
+    listing = capsys.readouterr().out
+    assert "carol" in listing and key not in listing and key[:12] in listing
+    assert main(["keys", "revoke", "1", "--data-dir", data]) == 0
+    assert main(["keys", "revoke", "1", "--data-dir", data]) == 1
+    assert main(["keys", "create", "--user", "admin", "--data-dir", data]) == 2
+    assert main(["keys", "create", "--user", "bad name", "--data-dir", data]) == 2
+
+    from cartridges.server.keys import hash_key
+    from cartridges.server.storage import open_store
+
+    store = open_store(data)
+    try:
+        assert store.user_for_key(hash_key(key)) is None  # revoked
+        assert store.user_for_key(hash_key(second)).name == "carol"
+        stored = (Path(data) / "store.db").read_bytes() + b"".join(p.read_bytes() for p in Path(data).glob("store.db-wal"))
+        assert key.encode() not in stored and second.encode() not in stored  # only hashes are kept
+    finally:
+        store.close()
+
+
+def test_serve_help_lists_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    for option in ("--host", "--port", "--data-dir", "--model"):
+        assert option in out
+
+
+def test_bootstrap_creates_default_user_once(tmp_path: Path) -> None:
+    import io
+
+    from cartridges.server import keys
+    from cartridges.server.storage import open_store
+
+    store = open_store(tmp_path / "data")
+    try:
+        out = io.StringIO()
+        keys.bootstrap(store, None, out)
+        printed = out.getvalue().rsplit(" ", 1)[-1].strip()
+        assert printed.startswith("sk-cart-")
+        assert store.user_for_key(keys.hash_key(printed)).name == "default"
+        again = io.StringIO()
+        keys.bootstrap(store, "sk-cart-other", again)
+        assert again.getvalue() == "" and len(store.list_keys()) == 1
+    finally:
+        store.close()
