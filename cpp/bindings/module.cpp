@@ -98,10 +98,17 @@ PYBIND11_MODULE(cartridges_core, m) {
 
   py::class_<LlamaModel, std::shared_ptr<LlamaModel>>(m, "LlamaModel")
       .def(py::init([](const LlamaConfig& config, const std::unordered_map<std::string, at::Tensor>& weights,
-                       const std::string& device, const std::string& dtype) {
-             return std::make_shared<LlamaModel>(config, weights, at::Device(device), parse_dtype(dtype));
+                       const std::string& device, const std::string& dtype,
+                       const std::unordered_map<std::string, std::pair<std::string, at::Tensor>>& quantized) {
+             std::unordered_map<std::string, QuantizedWeight> blocks;
+             for (const auto& [name, entry] : quantized) blocks[name] = QuantizedWeight{entry.first, entry.second};
+             py::gil_scoped_release release;
+             return std::make_shared<LlamaModel>(config, weights, at::Device(device), parse_dtype(dtype), blocks);
            }),
-           py::arg("config"), py::arg("weights"), py::arg("device") = "cpu", py::arg("dtype") = "float32")
+           py::arg("config"), py::arg("weights"), py::arg("device") = "cpu", py::arg("dtype") = "float32",
+           py::arg("quantized") = std::unordered_map<std::string, std::pair<std::string, at::Tensor>>{},
+           "weights: float32 tensors by Hugging Face name; quantized: name -> (GGUF block format, uint8 "
+           "[rows, row bytes]) for the CPU decode path.")
       .def_property_readonly("config", &LlamaModel::config)
       .def_property_readonly("device", [](const LlamaModel& m) { return m.device().str(); })
       .def_property_readonly("dtype", [](const LlamaModel& m) { return dtype_name(m.dtype()); })

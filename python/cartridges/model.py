@@ -47,6 +47,7 @@ class Model:
         tensors: dict[str, torch.Tensor],
         tokenizer: ChatTokenizer | None,
         *,
+        quantized: dict[str, tuple[str, torch.Tensor]] | None = None,
         name: str = "model",
         source: Path | None = None,
         device: str = "cpu",
@@ -61,14 +62,14 @@ class Model:
         for key, value in config.to_dict().items():
             if hasattr(core_config, key):
                 setattr(core_config, key, value)
-        self.core = core.LlamaModel(core_config, tensors, device, dtype or default_dtype(device))
+        self.core = core.LlamaModel(core_config, tensors, device, dtype or default_dtype(device), quantized or {})
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, *, device: str = "cpu", dtype: str | None = None) -> Model:
         name = loaded.source.name.removesuffix(".gguf") if loaded.source.suffix == ".gguf" else loaded.source.name
         try:
-            return cls(loaded.config, loaded.tensors, loaded.tokenizer, name=name, source=loaded.source,
-                       device=device, dtype=dtype)
+            return cls(loaded.config, loaded.tensors, loaded.tokenizer, quantized=loaded.quantized, name=name,
+                       source=loaded.source, device=device, dtype=dtype)
         except (RuntimeError, ValueError) as error:  # the C++ checks (shapes, config) as c10::Error
             raise ModelLoadError(loaded.source, _first_line(str(error))) from None
 

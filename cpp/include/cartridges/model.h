@@ -50,11 +50,30 @@ struct ForwardBatch {
   std::vector<PrefixList> prefixes;   // per row; empty = no prefixes
 };
 
+// A weight matrix as stored in a GGUF file: `format` "Q4_0", "Q4_1" or "Q8_0", `data` uint8
+// [out_features, row bytes]. Given beside the float32 weights, it serves decoding on CPU.
+struct QuantizedWeight {
+  std::string format;
+  at::Tensor data;
+};
+
+struct QuantizedMatrix;
+
+// A linear layer: float32/bf16 weights, and optionally the same weights block-quantized for
+// the CPU decode path (a handful of rows, no gradient).
+struct Linear {
+  at::Tensor weight, bias;
+  std::shared_ptr<const QuantizedMatrix> quantized;
+  at::Tensor operator()(const at::Tensor& x) const;
+};
+
 class LlamaModel {
  public:
-  // `weights` uses Hugging Face names (model.layers.0.self_attn.q_proj.weight, ...).
+  // `weights` uses Hugging Face names (model.layers.0.self_attn.q_proj.weight, ...);
+  // `quantized` optionally holds some of the same matrices as GGUF blocks, by the same names.
   LlamaModel(LlamaConfig config, const std::unordered_map<std::string, at::Tensor>& weights,
-             at::Device device, at::ScalarType dtype);
+             at::Device device, at::ScalarType dtype,
+             const std::unordered_map<std::string, QuantizedWeight>& quantized = {});
 
   const LlamaConfig& config() const { return config_; }
   at::Device device() const { return device_; }
@@ -80,17 +99,18 @@ class LlamaModel {
  private:
   struct Layer {
     at::Tensor input_norm, post_norm;
-    at::Tensor qkv_weight, qkv_bias;  // q, k, v projections fused: [(H + 2 H_kv) D, hidden]
-    at::Tensor q_norm, k_norm;        // Qwen3 only
-    at::Tensor o_weight;
-    at::Tensor gate_up_weight;        // gate and up fused: [2 I, hidden]
-    at::Tensor down_weight;
+    Linear qkv;                // q, k, v projections fused: [(H + 2 H_kv) D, hidden]
+    at::Tensor q_norm, k_norm;  // Qwen3 only
+    Linear o;
+    Linear gate_up;            // gate and up fused: [2 I, hidden]
+    Linear down;
   };
 
   LlamaConfig config_;
   at::Device device_;
   at::ScalarType dtype_;
-  at::Tensor embed_, final_norm_, lm_head_;
+  at::Tensor embed_, final_norm_;
+  Linear lm_head_;
   at::Tensor inv_freq_;  // [D/2] float32 RoPE frequencies
   std::vector<Layer> layers_;
 };

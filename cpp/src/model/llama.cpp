@@ -3,6 +3,7 @@
 
 #include "cartridges/model.h"
 #include "model/ops.h"
+#include "model/quantized.h"
 
 namespace cartridges {
 
@@ -53,6 +54,15 @@ void KVCache::keep_rows(const std::vector<int64_t>& rows) {
   lengths = std::move(kept_lengths);
 }
 
+at::Tensor Linear::operator()(const at::Tensor& x) const {
+  if (quantized && !x.requires_grad() && x.device().is_cpu() && x.scalar_type() == at::kFloat &&
+      x.numel() / x.size(-1) <= kMaxQuantizedRows) {
+    auto y = quantized_linear(x, *quantized);
+    return bias.defined() ? y + bias : y;
+  }
+  return at::linear(x, weight, bias);
+}
+
 namespace {
 
 class WeightTable {
@@ -75,19 +85,47 @@ class WeightTable {
   at::ScalarType dtype_;
 };
 
+// The block-quantized form of the given matrices stacked by rows, when every one of them has
+// one (in the same format) and the model runs in float32 on CPU; else null.
+std::shared_ptr<const QuantizedMatrix> stack_quantized(
+    const std::unordered_map<std::string, QuantizedWeight>& quantized, const std::vector<std::string>& names,
+    int64_t in_features, const at::Tensor& dense, at::Device device, at::ScalarType dtype) {
+  if (quantized.empty() || !device.is_cpu() || dtype != at::kFloat || in_features % 32 != 0) return nullptr;
+  std::vector<at::Tensor> parts;
+  std::string format;
+  for (const auto& name : names) {
+    auto it = quantized.find(name);
+    if (it == quantized.end() || (!format.empty() && it->second.format != format)) return nullptr;
+    format = it->second.format;
+    parts.push_back(it->second.data);
+  }
+  const auto block = parse_block_format(format);
+  auto data = at::cat(parts).contiguous();
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.size(0) == dense.size(0) &&
+                  data.size(1) == in_features / 32 * block_bytes(block),
+              "quantized tensor '", names[0], "' does not match its shape ", dense.sizes(), " in ", format);
+  return std::make_shared<const QuantizedMatrix>(QuantizedMatrix{block, data, in_features});
+}
+
 }  // namespace
 
 LlamaModel::LlamaModel(LlamaConfig config, const std::unordered_map<std::string, at::Tensor>& weights,
-                       at::Device device, at::ScalarType dtype)
+                       at::Device device, at::ScalarType dtype,
+                       const std::unordered_map<std::string, QuantizedWeight>& quantized)
     : config_(std::move(config)), device_(device), dtype_(dtype) {
   config_.validate();
   const auto& c = config_;
   const WeightTable w(weights, device, dtype);
+  auto linear = [&](at::Tensor weight, const std::vector<std::string>& names, at::Tensor bias = {}) {
+    auto q = stack_quantized(quantized, names, weight.size(1), weight, device, dtype);
+    return Linear{std::move(weight), std::move(bias), std::move(q)};
+  };
   const int64_t q_dim = c.num_heads * c.head_dim, kv_dim = c.num_kv_heads * c.head_dim;
 
   embed_ = w.get("model.embed_tokens.weight", {c.vocab_size, c.hidden_size});
   final_norm_ = w.get("model.norm.weight", {c.hidden_size});
-  lm_head_ = c.tie_word_embeddings ? embed_ : w.get("lm_head.weight", {c.vocab_size, c.hidden_size});
+  const std::string head_name = c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
+  lm_head_ = linear(c.tie_word_embeddings ? embed_ : w.get(head_name, {c.vocab_size, c.hidden_size}), {head_name});
   inv_freq_ = ops::rope_inv_freq(c).to(device);
 
   layers_.reserve(c.num_layers);
@@ -96,21 +134,26 @@ LlamaModel::LlamaModel(LlamaConfig config, const std::unordered_map<std::string,
     Layer layer;
     layer.input_norm = w.get(p + "input_layernorm.weight", {c.hidden_size});
     layer.post_norm = w.get(p + "post_attention_layernorm.weight", {c.hidden_size});
-    layer.qkv_weight = at::cat({w.get(p + "self_attn.q_proj.weight", {q_dim, c.hidden_size}),
-                                w.get(p + "self_attn.k_proj.weight", {kv_dim, c.hidden_size}),
-                                w.get(p + "self_attn.v_proj.weight", {kv_dim, c.hidden_size})});
+    at::Tensor qkv_bias;
     if (c.attention_bias) {
-      layer.qkv_bias = at::cat({w.get(p + "self_attn.q_proj.bias", {q_dim}), w.get(p + "self_attn.k_proj.bias", {kv_dim}),
-                                w.get(p + "self_attn.v_proj.bias", {kv_dim})});
+      qkv_bias = at::cat({w.get(p + "self_attn.q_proj.bias", {q_dim}), w.get(p + "self_attn.k_proj.bias", {kv_dim}),
+                          w.get(p + "self_attn.v_proj.bias", {kv_dim})});
     }
+    layer.qkv = linear(at::cat({w.get(p + "self_attn.q_proj.weight", {q_dim, c.hidden_size}),
+                                w.get(p + "self_attn.k_proj.weight", {kv_dim, c.hidden_size}),
+                                w.get(p + "self_attn.v_proj.weight", {kv_dim, c.hidden_size})}),
+                       {p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"},
+                       qkv_bias);
     if (c.qk_norm) {
       layer.q_norm = w.get(p + "self_attn.q_norm.weight", {c.head_dim});
       layer.k_norm = w.get(p + "self_attn.k_norm.weight", {c.head_dim});
     }
-    layer.o_weight = w.get(p + "self_attn.o_proj.weight", {c.hidden_size, q_dim});
-    layer.gate_up_weight = at::cat({w.get(p + "mlp.gate_proj.weight", {c.intermediate_size, c.hidden_size}),
-                                    w.get(p + "mlp.up_proj.weight", {c.intermediate_size, c.hidden_size})});
-    layer.down_weight = w.get(p + "mlp.down_proj.weight", {c.hidden_size, c.intermediate_size});
+    layer.o = linear(w.get(p + "self_attn.o_proj.weight", {c.hidden_size, q_dim}), {p + "self_attn.o_proj.weight"});
+    layer.gate_up = linear(at::cat({w.get(p + "mlp.gate_proj.weight", {c.intermediate_size, c.hidden_size}),
+                                    w.get(p + "mlp.up_proj.weight", {c.intermediate_size, c.hidden_size})}),
+                           {p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"});
+    layer.down = linear(w.get(p + "mlp.down_proj.weight", {c.hidden_size, c.intermediate_size}),
+                        {p + "mlp.down_proj.weight"});
     layers_.push_back(std::move(layer));
   }
 }
@@ -170,7 +213,7 @@ at::Tensor LlamaModel::forward_hidden(const ForwardBatch& batch, KVCache* cache)
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const Layer& layer = layers_[l];
     auto h = ops::rms_norm(x, layer.input_norm, c.rms_norm_eps);
-    auto qkv = at::linear(h, layer.qkv_weight, layer.qkv_bias);  // [B, S, (H + 2 Hkv) D]
+    auto qkv = layer.qkv(h);  // [B, S, (H + 2 Hkv) D]
     auto q = qkv.narrow(-1, 0, H * D).view({B, S, H, D});
     auto k = qkv.narrow(-1, H * D, Hkv * D).view({B, S, Hkv, D});
     auto v = qkv.narrow(-1, (H + Hkv) * D, Hkv * D).view({B, S, Hkv, D});
@@ -198,13 +241,13 @@ at::Tensor LlamaModel::forward_hidden(const ForwardBatch& batch, KVCache* cache)
       values = cv.narrow(2, 0, total);
     }
     auto attn = ops::attention(q, keys, values, mask, batch.prefixes, l, shared);  // [B, H, S, D]
-    x = x + at::linear(attn.transpose(1, 2).reshape({B, S, H * D}), layer.o_weight);
+    x = x + layer.o(attn.transpose(1, 2).reshape({B, S, H * D}));
 
     h = ops::rms_norm(x, layer.post_norm, c.rms_norm_eps);
-    auto gate_up = at::linear(h, layer.gate_up_weight);
+    auto gate_up = layer.gate_up(h);
     auto gate = gate_up.narrow(-1, 0, c.intermediate_size);
     auto up = gate_up.narrow(-1, c.intermediate_size, c.intermediate_size);
-    x = x + at::linear(at::silu(gate) * up, layer.down_weight);
+    x = x + layer.down(at::silu(gate) * up);
   }
   if (cache) {
     for (int64_t b = 0; b < B; ++b) cache->lengths[b] += num_new[b];
@@ -213,7 +256,7 @@ at::Tensor LlamaModel::forward_hidden(const ForwardBatch& batch, KVCache* cache)
 }
 
 at::Tensor LlamaModel::logits(const at::Tensor& hidden) const {
-  return at::linear(hidden, lm_head_).to(at::kFloat);
+  return lm_head_(hidden).to(at::kFloat);
 }
 
 at::Tensor LlamaModel::forward(const ForwardBatch& batch, KVCache* cache) const {

@@ -77,6 +77,7 @@ def load_gguf(path: str | os.PathLike[str]) -> LoadedModel:
     config.eos_token_ids = merge_ids(config.eos_token_ids, tokenizer.eos_token_ids)
 
     tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, tuple[str, torch.Tensor]] = {}
     for name, t in by_name.items():
         if name == _ROPE_FREQS:
             continue  # folded into config by _config
@@ -84,12 +85,16 @@ def load_gguf(path: str | os.PathLike[str]) -> LoadedModel:
         if hf_name is None:
             raise ModelLoadError(path, f"unexpected tensor '{name}'")
         tensor = _dequantize(t, path)
+        blocks = _raw_blocks(t)
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
             tensor = _unpermute(tensor, heads)
+            blocks = None if blocks is None else _unpermute(blocks, heads)  # the same row order
         tensors[hf_name] = tensor
+        if blocks is not None and tensor.dim() == 2 and tuple(blocks.shape[:1]) == tuple(tensor.shape[:1]):
+            quantized[hf_name] = (t.tensor_type.name, blocks)
     check_tensors(config, tensors, path)
-    return LoadedModel(config=config, tensors=tensors, tokenizer=tokenizer, source=path)
+    return LoadedModel(config=config, tensors=tensors, tokenizer=tokenizer, source=path, quantized=quantized)
 
 
 def _metadata(reader: GGUFReader, path: Path) -> dict[str, Any]:
@@ -120,6 +125,17 @@ def _dequantize(t: Any, path: Path) -> torch.Tensor:
     if not array.flags.writeable or isinstance(array, np.memmap):
         array = np.array(array, copy=True)
     return torch.from_numpy(np.ascontiguousarray(array))
+
+
+# Block formats the engine's CPU kernel reads directly.
+_BLOCK_FORMATS = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
+
+
+def _raw_blocks(t: Any) -> torch.Tensor | None:
+    """The tensor's quantized bytes as uint8 [rows, row bytes], for the formats we decode from."""
+    if t.tensor_type not in _BLOCK_FORMATS or len(t.data.shape) != 2:
+        return None
+    return torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,6 +19,10 @@ class LoadedModel:
     tensors: dict[str, torch.Tensor]  # Hugging Face names → float32, contiguous
     tokenizer: ChatTokenizer
     source: Path  # the directory or .gguf file it came from
+    # Weights that a GGUF stores block-quantized (Q4_0, Q4_1, Q8_0), as (format, uint8
+    # [rows, row bytes]) by the same names: the engine decodes from these on CPU, reading
+    # several times fewer bytes. The float32 `tensors` are exactly their dequantized values.
+    quantized: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
 
 
 def check_tensors(

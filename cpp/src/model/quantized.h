@@ -1,0 +1,39 @@
+#pragma once
+// Matrix products against weights kept in GGUF block-quantized form (Q4_0, Q4_1, Q8_0).
+//
+// Decoding a few tokens at a time on a CPU is bound by reading the weights; reading them
+// quantized moves 4-6x fewer bytes than float32. Each block dequantizes to exactly the
+// float32 values the loader produces (d*q is exact in float32), so only the order of the
+// accumulation differs from at::linear on the dequantized weights.
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+namespace cartridges {
+
+enum class BlockFormat { kQ4_0, kQ4_1, kQ8_0 };
+
+// Parses "Q4_0", "Q4_1", "Q8_0"; anything else raises.
+BlockFormat parse_block_format(const std::string& name);
+// Bytes of one block of 32 weights.
+int64_t block_bytes(BlockFormat format);
+
+struct QuantizedMatrix {
+  BlockFormat format;
+  at::Tensor data;  // uint8 [out_features, in_features / 32 * block_bytes], CPU, contiguous
+  int64_t in_features;
+  int64_t out_features() const { return data.size(0); }
+};
+
+// Largest number of input rows the quantized kernel handles; larger inputs (prefill) are
+// faster as one float32 GEMM.
+constexpr int64_t kMaxQuantizedRows = 8;
+
+// y [..., out] = x [..., in] @ W^T for float32 CPU x with at most kMaxQuantizedRows rows.
+at::Tensor quantized_linear(const at::Tensor& x, const QuantizedMatrix& w);
+
+// The float32 matrix W [out, in] (the reference the kernel is tested against).
+at::Tensor dequantize(const QuantizedMatrix& w);
+
+}  // namespace cartridges

@@ -1,0 +1,60 @@
+// The block-quantized CPU kernel against at::linear on the dequantized weights.
+#include <gtest/gtest.h>
+
+#include "model/quantized.h"
+
+using namespace cartridges;
+
+namespace {
+
+// Random blocks with sensible scales: d, m as float16 in [-0.1, 0.1], random payload bytes.
+QuantizedMatrix random_matrix(BlockFormat format, int64_t out, int64_t in) {
+  const int64_t bb = block_bytes(format), blocks = in / 32;
+  auto data = at::randint(0, 256, {out, blocks * bb}, at::kLong).to(at::kByte);
+  auto scales = (at::rand({out, blocks, 2}) * 0.2 - 0.1).to(at::kHalf);
+  auto bytes = data.view({out, blocks, bb});
+  auto scale_bytes = scales.view(at::kByte).view({out, blocks, 4});
+  const int64_t header = format == BlockFormat::kQ4_1 ? 4 : 2;
+  bytes.narrow(2, 0, header).copy_(scale_bytes.narrow(2, 0, header));
+  return QuantizedMatrix{format, data.contiguous(), in};
+}
+
+}  // namespace
+
+class QuantizedTest : public ::testing::TestWithParam<BlockFormat> {};
+
+TEST_P(QuantizedTest, MatchesLinearOnDequantizedWeights) {
+  at::manual_seed(0);
+  auto w = random_matrix(GetParam(), 200, 96);
+  auto dense = dequantize(w);
+  ASSERT_TRUE(at::isfinite(dense).all().item<bool>());
+  for (int64_t rows = 1; rows <= kMaxQuantizedRows; ++rows) {
+    auto x = at::randn({rows, 1, 96});
+    auto got = quantized_linear(x, w);
+    auto expected = at::linear(x, dense);
+    ASSERT_EQ(got.sizes(), expected.sizes());
+    // Only the summation order differs: float32 rounding relative to the outputs' scale.
+    const double atol = 1e-6 * expected.abs().max().item<double>();
+    EXPECT_TRUE(at::allclose(got, expected, 1e-5, atol)) << "rows " << rows << ": max |diff| "
+                                                         << (got - expected).abs().max().item<float>();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, QuantizedTest,
+                         ::testing::Values(BlockFormat::kQ4_0, BlockFormat::kQ4_1, BlockFormat::kQ8_0));
+
+TEST(QuantizedFormatTest, DequantizesKnownBlock) {
+  // One Q4_1 block: d = 0.5, m = -1, byte j holds element j (low) and j + 16 (high).
+  std::vector<uint8_t> block(20);
+  const uint16_t d = c10::Half(0.5f).x, m = c10::Half(-1.f).x;
+  std::memcpy(block.data(), &d, 2);
+  std::memcpy(block.data() + 2, &m, 2);
+  for (int j = 0; j < 16; ++j) block[4 + j] = static_cast<uint8_t>(j | ((15 - j) << 4));
+  auto data = at::from_blob(block.data(), {1, 20}, at::kByte).clone();
+  auto dense = dequantize(QuantizedMatrix{BlockFormat::kQ4_1, data, 32});
+  for (int j = 0; j < 16; ++j) {
+    EXPECT_FLOAT_EQ(dense[0][j].item<float>(), 0.5f * j - 1.f);
+    EXPECT_FLOAT_EQ(dense[0][j + 16].item<float>(), 0.5f * (15 - j) - 1.f);
+  }
+  EXPECT_THROW(parse_block_format("Q5_K"), c10::Error);
+}
