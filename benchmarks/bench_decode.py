@@ -10,8 +10,8 @@ checks that both produce the same tokens.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import platform
-import threading
 import time
 from dataclasses import dataclass
 
@@ -34,38 +34,20 @@ QUESTIONS = [
 ]
 
 
-class PeakRss:
-    """Peak resident memory above the level at start, sampled every millisecond."""
-
-    def __init__(self) -> None:
-        self.process = psutil.Process()
-
-    def __enter__(self) -> PeakRss:
-        self.base = self.peak = self.process.memory_info().rss
-        self.running = True
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while self.running:
-            self.peak = max(self.peak, self.process.memory_info().rss)
-            time.sleep(0.001)
-
-    def __exit__(self, *exc) -> None:
-        self.running = False
-        self.thread.join()
-
-    @property
-    def added_mib(self) -> float:
-        return (self.peak - self.base) / 2**20
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far (VmHWM), in MiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 @dataclass
 class Run:
     prefill_tok_s: float
     decode_tok_s: float
-    peak_mib: float
+    peak_mib: float  # peak RSS of the whole process (weights included)
     tokens: list[list[int]]
 
 
@@ -76,14 +58,13 @@ def run_ours(model: cartridges.Model, prompts: list[list[int]], new_tokens: int)
         if not first_token_at:
             first_token_at.append(time.perf_counter())
 
-    with PeakRss() as memory:
-        start = time.perf_counter()
-        results = model.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[], on_token=on_token)
-        end = time.perf_counter()
+    start = time.perf_counter()
+    results = model.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[], on_token=on_token)
+    end = time.perf_counter()
     prefill = first_token_at[0] - start
     prompt_tokens = sum(len(p) for p in prompts)
     decoded = len(prompts) * (new_tokens - 1)
-    return Run(prompt_tokens / prefill, decoded / (end - first_token_at[0]), memory.added_mib,
+    return Run(prompt_tokens / prefill, decoded / (end - first_token_at[0]), peak_rss_mib(),
                [r.tokens for r in results])
 
 
@@ -105,7 +86,7 @@ def run_theirs(model, prompts: list[list[int]], new_tokens: int, pad_id: int) ->
     ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
     clock = StepClock()
-    with PeakRss() as memory, torch.inference_mode():
+    with torch.inference_mode():
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, eos_token_id=None, pad_token_id=pad_id,
@@ -114,12 +95,30 @@ def run_theirs(model, prompts: list[list[int]], new_tokens: int, pad_id: int) ->
     prefill = clock.first - start
     prompt_tokens = sum(len(p) for p in prompts)
     decoded = len(prompts) * (new_tokens - 1)
-    return Run(prompt_tokens / prefill, decoded / (end - clock.first), memory.added_mib,
+    return Run(prompt_tokens / prefill, decoded / (end - clock.first), peak_rss_mib(),
                out[:, longest:].tolist())
 
 
 def best(runs: list[Run]) -> Run:
     return max(runs, key=lambda r: r.decode_tok_s)
+
+
+def measure(engine: str, batch: int, new_tokens: int, repeats: int, threads: int | None) -> Run:
+    """One engine at one batch size, in a fresh process so that its peak memory is its own."""
+    if threads:
+        torch.set_num_threads(threads)
+    ours = cartridges.load_model()  # also the tokenizer for both
+    prompts = [ours.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS[:batch]]
+    if engine == "cartridges":
+        run = lambda n: run_ours(ours, prompts, n)  # noqa: E731
+    else:
+        del ours
+        path = default_model_path()
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                   dtype=torch.float32).eval()
+        run = lambda n: run_theirs(theirs, prompts, n, pad_id=0)  # noqa: E731
+    run(4)  # warm-up
+    return best([run(new_tokens) for _ in range(repeats)])
 
 
 def main() -> None:
@@ -129,33 +128,28 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
-    ours = cartridges.load_model()
-    path = default_model_path()
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                               dtype=torch.float32).eval()
-    prompts = [ours.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     print(f"machine: {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores, "
-          f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}")
-    print(f"model: {ours.name}, fp32 on cpu; greedy, {args.new_tokens} new tokens; best of {args.repeats}\n")
-
+          f"torch {torch.__version__} ({args.threads or torch.get_num_threads()} threads), "
+          f"transformers {transformers.__version__}")
+    print(f"model: default (SmolLM2-135M-Instruct Q4_1 GGUF), fp32 on cpu; greedy, {args.new_tokens} new tokens; "
+          f"best of {args.repeats}; each engine in its own process (peak RSS includes the weights)\n")
     header = f"{'batch':>5} {'engine':>12} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak MiB':>9} {'same tokens':>12}"
     print(header)
     print("-" * len(header))
+    context = multiprocessing.get_context("spawn")
     for batch in args.batches:
-        chosen = prompts[:batch]
-        run_ours(ours, chosen, 4)  # warm-up
-        mine = best([run_ours(ours, chosen, args.new_tokens) for _ in range(args.repeats)])
-        run_theirs(theirs, chosen, 4, pad_id=0)
-        ref = best([run_theirs(theirs, chosen, args.new_tokens, pad_id=0) for _ in range(args.repeats)])
+        runs = {}
+        for engine in ("cartridges", "transformers"):
+            with context.Pool(1) as pool:
+                runs[engine] = pool.apply(measure, (engine, batch, args.new_tokens, args.repeats, args.threads))
+        mine, ref = runs["cartridges"], runs["transformers"]
         same = sum(a == b for a, b in zip(mine.tokens, ref.tokens))
-        for name, r in (("cartridges", mine), ("transformers", ref)):
-            print(f"{batch:>5} {name:>12} {r.prefill_tok_s:>14.1f} {r.decode_tok_s:>13.1f} {r.peak_mib:>9.1f} "
+        for name, r in runs.items():
+            print(f"{batch:>5} {name:>12} {r.prefill_tok_s:>14.1f} {r.decode_tok_s:>13.1f} {r.peak_mib:>9.0f} "
                   f"{f'{same}/{batch}' if name == 'cartridges' else '':>12}")
         print(f"{batch:>5} {'ratio':>12} {mine.prefill_tok_s / ref.prefill_tok_s:>13.2f}x "
-              f"{mine.decode_tok_s / ref.decode_tok_s:>12.2f}x {mine.peak_mib / max(ref.peak_mib, 1e-9):>8.2f}x")
+              f"{mine.decode_tok_s / ref.decode_tok_s:>12.2f}x {mine.peak_mib / ref.peak_mib:>8.2f}x")
 
 
 if __name__ == "__main__":
