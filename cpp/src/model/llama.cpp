@@ -31,8 +31,9 @@ KVCache::KVCache(const LlamaConfig& config, int64_t batch, int64_t capacity, at:
   keys.reserve(config.num_layers);
   values.reserve(config.num_layers);
   for (int64_t l = 0; l < config.num_layers; ++l) {
-    keys.push_back(at::empty({batch, config.num_kv_heads, capacity, config.head_dim}, options));
-    values.push_back(at::empty({batch, config.num_kv_heads, capacity, config.head_dim}, options));
+    // Zeros, not empty: masked-out slots still meet the values in attention (0 * NaN = NaN).
+    keys.push_back(at::zeros({batch, config.num_kv_heads, capacity, config.head_dim}, options));
+    values.push_back(at::zeros({batch, config.num_kv_heads, capacity, config.head_dim}, options));
   }
 }
 
