@@ -28,6 +28,7 @@ _TEMPLATE_MARGIN = 32
 @dataclass
 class Conversation:
     kind: str  # seed prompt kind
+    chunk: str  # the corpus window both A and B had in context (one string shared by its batch)
     question: str  # A's message, the user turn
     answer: list[int]  # B's tokens, its stop token included when it stopped
     topk_ids: torch.Tensor  # [len(answer), K] int64: the teacher's most likely tokens per answer token
@@ -67,7 +68,7 @@ class Synthesizer:
         self.stop = list(self.tok.eos_token_ids)
         context = self.core.config.max_position_embeddings
         # B's prompt holds the chunk and A's message, then B answers: the chunk gets the rest.
-        overhead = len(self._prompt("", "x")) + _TEMPLATE_MARGIN
+        overhead = len(self.prompt("", "x")) + _TEMPLATE_MARGIN
         self.chunk_budget = context - overhead - config.max_question_tokens - config.max_answer_tokens
         if self.chunk_budget < 1:
             raise ValueError(
@@ -75,7 +76,7 @@ class Synthesizer:
                 f"max_question_tokens={config.max_question_tokens} and max_answer_tokens={config.max_answer_tokens}"
             )
 
-    def _prompt(self, chunk_text: str, user: str) -> list[int]:
+    def prompt(self, chunk_text: str, user: str) -> list[int]:
         messages = [
             {"role": "system", "content": SYSTEM_PROMPT.format(chunk=chunk_text)},
             {"role": "user", "content": user},
@@ -114,7 +115,7 @@ class Synthesizer:
         chunk = corpus.chunk(rng, min(cfg.chunk_min_tokens, self.chunk_budget), min(cfg.chunk_max_tokens, self.chunk_budget))
         chunk_text = self.tok.decode(chunk)
         seeds = draw_seed_prompts(rng, n)
-        a_prompts = [self._prompt(chunk_text, text) for _, text in seeds]
+        a_prompts = [self.prompt(chunk_text, text) for _, text in seeds]
         # The chunk's KV, computed once for the whole batch.
         shared = min(common_prefix_len(a_prompts), min(len(p) for p in a_prompts) - 1)
         kv = self.core.prefix_from_tokens(torch.tensor(a_prompts[0][:shared], dtype=torch.long))
@@ -131,7 +132,7 @@ class Synthesizer:
             text = self.tok.decode([t for t in tokens if t not in self.stop]).strip()
             questions.append(text or seed_text)
 
-        b_prompts = [self._prompt(chunk_text, q) for q in questions]
+        b_prompts = [self.prompt(chunk_text, q) for q in questions]
         b_params = [
             cartridges_core.SamplingParams(
                 temperature=cfg.answer_temperature, seed=rng.getrandbits(31),
@@ -145,7 +146,7 @@ class Synthesizer:
         answers = [list(tokens) for tokens, _ in b_results]
         topk = self._teacher_topk(b_prompts, answers, b_prefix)
         return [
-            Conversation(kind, q, a, ids, lp)
+            Conversation(kind, chunk_text, q, a, ids, lp)
             for (kind, _), q, a, (ids, lp) in zip(seeds, questions, answers, topk)
         ]
 
