@@ -30,8 +30,9 @@ KVCache::KVCache(const LlamaConfig& config, int64_t batch, int64_t capacity, at:
   TORCH_CHECK(batch > 0 && capacity > 0, "KVCache: batch and capacity must be positive");
   keys.reserve(config.num_layers);
   values.reserve(config.num_layers);
+  // Zeroed, not empty: rows of a ragged batch read (masked) slots they never wrote, and
+  // uninitialized memory may hold NaN, which a zero attention weight does not cancel.
   for (int64_t l = 0; l < config.num_layers; ++l) {
-    // Zeros, not empty: masked-out slots still meet the values in attention (0 * NaN = NaN).
     keys.push_back(at::zeros({batch, config.num_kv_heads, capacity, config.head_dim}, options));
     values.push_back(at::zeros({batch, config.num_kv_heads, capacity, config.head_dim}, options));
   }
