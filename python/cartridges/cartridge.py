@@ -346,29 +346,3 @@ def load_cartridge(path: str | os.PathLike[str], model: Any | None = None) -> Ca
         return Cartridge.import_pt(path, model)
     return Cartridge.load(path, model)
 
-
-def generate(
-    model: Any,
-    prompts: Sequence[Sequence[int]],
-    cartridges: Sequence[Cartridge] | Sequence[Sequence[Cartridge]] = (),
-    params: cartridges_core.SamplingParams | Sequence[cartridges_core.SamplingParams] | None = None,
-) -> list[tuple[list[int], str]]:
-    """Batched generation with cartridges in front of the prompts, composed in order.
-
-    `cartridges` is one list for all prompts, or one list per prompt. Returns
-    `[(tokens, finish_reason)]` as `cartridges_core.generate` does."""
-    core = core_model(model)
-    if params is None:
-        params = cartridges_core.SamplingParams()
-    per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-    prefixes: list[list[cartridges_core.KVPrefix]] | None
-    if not cartridges:
-        prefixes = None
-    elif isinstance(cartridges[0], Cartridge):
-        shared = [c.prefix(model) for c in cartridges]  # type: ignore[union-attr]
-        prefixes = [shared] * len(prompts)
-    else:
-        prefixes = [[c.prefix(model) for c in row] for row in cartridges]  # type: ignore[union-attr]
-        if len(prefixes) != len(prompts):
-            raise ValueError("one list of cartridges per prompt")
-    return cartridges_core.generate(core, [list(p) for p in prompts], per_prompt, prefixes)

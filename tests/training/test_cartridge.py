@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import cartridges_core
-from cartridges.cartridge import Cartridge, CartridgeFileError, generate, load_cartridge
+from cartridges.cartridge import Cartridge, CartridgeFileError, load_cartridge
 from cartridges.selfstudy import Corpus, TrainConfig
 from cartridges.training import init_params
 
@@ -52,14 +52,13 @@ def test_generation_with_several_cartridges_equals_texts_in_context(model):
     both = corpus_cartridge(model, a + b)
     second = Cartridge([k[:, len(ta):] for k in both.keys], [v[:, len(ta):] for v in both.values], 0, model.fingerprint)
     prompt = model.tokenizer.encode_chat([{"role": "user", "content": "Colors?"}])
-    params = cartridges_core.SamplingParams(max_new_tokens=12)
-    composed = generate(model, [prompt, prompt[:5]], [first, second], params)
-    plain = cartridges_core.generate(
-        model.core, [model.tokenizer.encode(a + b) + prompt, model.tokenizer.encode(a + b) + prompt[:5]], [params] * 2
-    )
-    assert [t for t, _ in composed] == [t for t, _ in plain]
-    per_prompt = generate(model, [prompt, prompt], [[first], []], params)
-    assert per_prompt[1][0] == cartridges_core.generate(model.core, [prompt], [params])[0][0]
+    params = [cartridges_core.SamplingParams(max_new_tokens=12)] * 2
+    both_prefixes = [first.prefix(model), second.prefix(model)]
+    composed = cartridges_core.generate(model.core, [prompt, prompt[:5]], params, [both_prefixes] * 2)
+    text = model.tokenizer.encode(a + b)
+    plain = cartridges_core.generate(model.core, [text + prompt, text + prompt[:5]], params)
+    assert composed == plain
+    assert first.prefix(model) is both_prefixes[0]  # made once, shared by every request
 
 
 def test_save_load_round_trip_is_exact(model, tmp_path):
@@ -153,3 +152,38 @@ def _three_layers(weights):
         if name.startswith("model.layers.0."):
             w[name.replace("layers.0.", "layers.2.")] = t
     return w
+
+
+def test_train_and_chat_commands(model, tmp_path, monkeypatch, capsys):
+    import io
+
+    import cartridges.model
+    from cartridges.cli import main
+
+    monkeypatch.setattr(cartridges.model, "load_model", lambda path=None, **kw: model)
+    (tmp_path / "doc.txt").write_text("The harbor of Tessel opens at dawn. " * 6)
+    out = tmp_path / "cart.safetensors"
+    args = ["train", str(tmp_path / "doc.txt"), "--out", str(out), "--num-tokens", "16", "--num-samples", "2",
+            "--objective", "next_token", "--no-progress", "--seed", "3"]
+    assert main(args) == 0
+    cart = Cartridge.load(out, model)
+    assert cart.num_tokens == 16 and cart.config["seed"] == 3 and cart.config["objective"] == "next_token"
+    assert "wrote" in capsys.readouterr().err
+
+    class Chatty:  # the chat command's needs, on the tiny model
+        name = "tiny"
+        fingerprint = model.fingerprint
+        core = model.core
+
+        def stream_chat(self, messages, cartridges=(), **kw):
+            assert [p.num_tokens for p in cartridges] == [16, 16]
+            yield "ok"
+
+    monkeypatch.setattr(cartridges.model, "load_model", lambda path=None, **kw: Chatty())
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--cartridge", str(out), "--cartridge", str(out)]) == 0
+    assert "ok" in capsys.readouterr().out
+    out.write_bytes(out.read_bytes()[:-8])
+    assert main(["chat", "--cartridge", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "truncated or damaged" in err or "checksum" in err

@@ -15,6 +15,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--model", metavar="PATH", help="a Hugging Face model directory or a .gguf file "
                         "(default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--cartridge", metavar="FILE", action="append", default=[],
+                        help="a trained cartridge (.safetensors, or a research .pt) as context; "
+                        "repeat to compose several, in order")
     parser.add_argument("--system", metavar="TEXT", help="a system message to start the conversation with")
     parser.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply (default: 512)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 answers greedily (default: 0)")
@@ -31,6 +34,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = load_model(args.model)
     except ModelLoadError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    from ..cartridge import CartridgeFileError, load_cartridge
+
+    try:
+        prefixes = [load_cartridge(path, model).prefix(model) for path in args.cartridge]
+    except CartridgeFileError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"{model.name} ready. /reset clears the conversation, /exit quits.", file=sys.stderr)
@@ -54,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": text})
         reply = []
         print("assistant> " if interactive else "", end="", flush=True)
-        for piece in model.stream_chat(messages, max_tokens=args.max_tokens, temperature=args.temperature,
+        for piece in model.stream_chat(messages, cartridges=prefixes, max_tokens=args.max_tokens,
+                                       temperature=args.temperature,
                                        top_p=args.top_p, seed=args.seed):
             reply.append(piece)
             print(piece, end="", flush=True)
