@@ -114,7 +114,6 @@ TEST_F(CartridgeTest, ResumeEqualsUninterruptedRun) {
   auto full = CartridgeParams::from_prefix(prefix, 1);
   auto run = train_cartridge(*model, full, data, options);
   EXPECT_EQ(run.steps, 6);
-  EXPECT_LT(run.losses.back(), run.losses.front());
 
   const std::string path = ::testing::TempDir() + "cartridge_test.ckpt";
   std::remove(path.c_str());
