@@ -6,45 +6,13 @@
 
 #include "cartridges/cartridge.h"
 #include "cartridges/model.h"
+#include "tiny_model.h"
 
 using namespace cartridges;
+using cartridges::test_models::random_weights;
+using cartridges::test_models::tiny_config;
 
 namespace {
-
-LlamaConfig tiny_config() {
-  LlamaConfig c;
-  c.vocab_size = 61;
-  c.hidden_size = 16;
-  c.intermediate_size = 24;
-  c.num_layers = 2;
-  c.num_heads = 2;
-  c.num_kv_heads = 1;
-  c.head_dim = 8;
-  c.tie_word_embeddings = true;
-  c.max_position_embeddings = 128;
-  return c;
-}
-
-std::unordered_map<std::string, at::Tensor> random_weights(const LlamaConfig& c) {
-  std::unordered_map<std::string, at::Tensor> w;
-  const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
-  auto r = [](std::initializer_list<int64_t> shape) { return at::randn(shape) * 0.3; };
-  w["model.embed_tokens.weight"] = r({c.vocab_size, c.hidden_size});
-  w["model.norm.weight"] = at::ones({c.hidden_size});
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    w[p + "input_layernorm.weight"] = at::ones({c.hidden_size});
-    w[p + "post_attention_layernorm.weight"] = at::ones({c.hidden_size});
-    w[p + "self_attn.q_proj.weight"] = r({q, c.hidden_size});
-    w[p + "self_attn.k_proj.weight"] = r({kv, c.hidden_size});
-    w[p + "self_attn.v_proj.weight"] = r({kv, c.hidden_size});
-    w[p + "self_attn.o_proj.weight"] = r({c.hidden_size, q});
-    w[p + "mlp.gate_proj.weight"] = r({c.intermediate_size, c.hidden_size});
-    w[p + "mlp.up_proj.weight"] = r({c.intermediate_size, c.hidden_size});
-    w[p + "mlp.down_proj.weight"] = r({c.hidden_size, c.intermediate_size});
-  }
-  return w;
-}
 
 // Next-token data (K = 1, log-prob 0) on random rows of length 10, every position a target.
 TrainingData next_token_data(int64_t n, int64_t vocab) {

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import add_model_argument, load_model_or_report
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -13,8 +15,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Chat with the default model (or --model) in the terminal. "
         "Type a message and press Enter; /reset clears the conversation; Ctrl-D or /exit quits.",
     )
-    parser.add_argument("--model", metavar="PATH", help="a Hugging Face model directory or a .gguf file "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
+    add_model_argument(parser)
     parser.add_argument("--cartridge", metavar="FILE", action="append", default=[],
                         help="a trained cartridge (.safetensors, or a research .pt) as context; "
                         "repeat to compose several, in order")
@@ -27,14 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..model import load_model
-    from ..models import ModelLoadError
-
-    print("loading model...", file=sys.stderr, flush=True)
-    try:
-        model = load_model(args.model)
-    except ModelLoadError as error:
-        print(f"error: {error}", file=sys.stderr)
+    model = load_model_or_report(args.model)
+    if model is None:
         return 1
     from ..cartridge import CartridgeFileError, load_cartridge
 

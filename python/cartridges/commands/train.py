@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+from . import add_model_argument, load_model_or_report
 from dataclasses import fields
 from pathlib import Path
 
@@ -25,8 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("files", nargs="+", metavar="FILE", help="the corpus: text, markdown or PDF files")
     parser.add_argument("--out", required=True, metavar="CART", help="where to write the cartridge")
-    parser.add_argument("--model", metavar="PATH", help="a Hugging Face model directory or a .gguf file "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
+    add_model_argument(parser)
     parser.add_argument("--checkpoint", metavar="PATH", help="keep training state here (and resume from it)")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -54,8 +55,6 @@ def read_text(path: Path) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ..cartridge import Cartridge
-    from ..model import load_model
-    from ..models import ModelLoadError
     from ..selfstudy.config import TrainConfig
     from ..training import train
 
@@ -65,11 +64,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print("loading model...", file=sys.stderr, flush=True)
-    try:
-        model = load_model(args.model)
-    except ModelLoadError as error:
-        print(f"error: {error}", file=sys.stderr)
+    model = load_model_or_report(args.model)
+    if model is None:
         return 1
     cartridge: Cartridge = train(model, texts, config, progress=not args.no_progress,
                                  checkpoint=args.checkpoint, resume=args.resume)
