@@ -4,12 +4,26 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch  # noqa: F401  (loads libtorch before the compiled core)
 
+from .cartridge import Cartridge, CartridgeFileError, load_cartridge
 from .model import Completion, Model, load_model
 from .models import ModelLoadError
+from .selfstudy import TrainConfig
+from .training import train
 
 try:
     __version__ = version("cartridges")
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0"
 
-__all__ = ["Completion", "Model", "ModelLoadError", "load_model", "__version__"]
+__all__ = [
+    "Cartridge",
+    "CartridgeFileError",
+    "Completion",
+    "Model",
+    "ModelLoadError",
+    "TrainConfig",
+    "load_cartridge",
+    "load_model",
+    "train",
+    "__version__",
+]

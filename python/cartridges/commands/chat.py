@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import add_model_argument, load_model_or_report
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -13,8 +15,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Chat with the default model (or --model) in the terminal. "
         "Type a message and press Enter; /reset clears the conversation; Ctrl-D or /exit quits.",
     )
-    parser.add_argument("--model", metavar="PATH", help="a Hugging Face model directory or a .gguf file "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
+    add_model_argument(parser)
+    parser.add_argument("--cartridge", metavar="FILE", action="append", default=[],
+                        help="a trained cartridge (.safetensors, or a research .pt) as context; "
+                        "repeat to compose several, in order")
     parser.add_argument("--system", metavar="TEXT", help="a system message to start the conversation with")
     parser.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply (default: 512)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 answers greedily (default: 0)")
@@ -24,13 +28,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..model import load_model
-    from ..models import ModelLoadError
+    model = load_model_or_report(args.model)
+    if model is None:
+        return 1
+    from ..cartridge import CartridgeFileError, load_cartridge
 
-    print("loading model...", file=sys.stderr, flush=True)
     try:
-        model = load_model(args.model)
-    except ModelLoadError as error:
+        prefixes = [load_cartridge(path, model).prefix(model) for path in args.cartridge]
+    except CartridgeFileError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"{model.name} ready. /reset clears the conversation, /exit quits.", file=sys.stderr)
@@ -54,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": text})
         reply = []
         print("assistant> " if interactive else "", end="", flush=True)
-        for piece in model.stream_chat(messages, max_tokens=args.max_tokens, temperature=args.temperature,
+        for piece in model.stream_chat(messages, cartridges=prefixes, max_tokens=args.max_tokens,
+                                       temperature=args.temperature,
                                        top_p=args.top_p, seed=args.seed):
             reply.append(piece)
             print(piece, end="", flush=True)

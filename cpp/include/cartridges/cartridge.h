@@ -1,0 +1,131 @@
+#pragma once
+// Cartridge training: a trainable KV prefix, the distillation loss over a packed batch, Adam,
+// and the training loop (progress callback, checkpoints, resume, cancellation).
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cartridges/model.h"
+
+namespace cartridges {
+
+// The trainable prefix: per layer, the first `num_frozen` tokens are fixed (the attention
+// sink), the rest are trained. Both parts are float32 master copies [H_kv, n, D], whatever
+// the model's dtype; keys after RoPE at positions 0..P-1 like any KVPrefix.
+struct CartridgeParams {
+  std::vector<at::Tensor> frozen_keys, frozen_values;        // [H_kv, F, D], no grad
+  std::vector<at::Tensor> trainable_keys, trainable_values;  // [H_kv, P - F, D], requires grad
+
+  // Splits `prefix` into frozen and trainable parts (copies, float32). 0 <= num_frozen < P.
+  static CartridgeParams from_prefix(const KVPrefix& prefix, int64_t num_frozen);
+
+  int64_t num_layers() const { return static_cast<int64_t>(trainable_keys.size()); }
+  int64_t num_frozen() const { return frozen_keys.empty() ? 0 : frozen_keys[0].size(1); }
+  int64_t num_tokens() const { return num_frozen() + (trainable_keys.empty() ? 0 : trainable_keys[0].size(1)); }
+  // Trainable tensors in a fixed order: keys of every layer, then values of every layer.
+  std::vector<at::Tensor> parameters() const;
+  // The whole prefix in `dtype`. Differentiable with respect to the trainable tensors
+  // unless `detach` (the serving copy).
+  KVPrefix to_prefix(at::ScalarType dtype, at::Device device, bool detach) const;
+};
+
+// Synthetic conversations, right-padded, with the teacher's targets at the positions whose
+// next-token prediction is trained. Plain next-token loss is the case K = 1 with log-prob 0.
+struct TrainingData {
+  at::Tensor tokens;         // [N, S] int64, row n valid up to lengths[n]
+  at::Tensor lengths;        // [N] int64
+  at::Tensor target_mask;    // [N, S] bool: position s is trained to predict tokens[n, s + 1]
+  at::Tensor topk_ids;       // [T, K] int64, T = target_mask.sum(), row-major order of the mask
+  at::Tensor topk_logprobs;  // [T, K] float32, the teacher's log-probabilities of topk_ids
+
+  int64_t size() const { return tokens.size(0); }
+  // Raises c10::Error naming the first inconsistency.
+  void validate(int64_t vocab_size) const;
+};
+
+// Sum over the targets of the given rows of -sum_k p_teacher_k * log p_student(id_k), with
+// the student = `model` with `params` in front (no cache). p_teacher = exp(topk_logprobs),
+// NOT renormalized over the top k (the mass the teacher puts elsewhere is ignored, as in the
+// original research code). Returns (loss sum, number of target positions).
+std::pair<at::Tensor, int64_t> distillation_loss_sum(const LlamaModel& model, const CartridgeParams& params,
+                                                     const TrainingData& data, const std::vector<int64_t>& rows);
+
+struct AdamOptions {
+  double lr = 2e-2;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+};
+
+// Adam as torch.optim.Adam computes it (no weight decay, no amsgrad), on float32 tensors.
+class Adam {
+ public:
+  Adam(std::vector<at::Tensor> params, AdamOptions options);
+  // One update from the params' .grad() at learning rate `lr`; params without a gradient
+  // are skipped. Gradients are left in place (call zero_grad()).
+  void step(double lr);
+  void zero_grad();
+  int64_t steps() const { return step_; }
+  // First and second moments, one per parameter (for checkpoints).
+  const std::vector<at::Tensor>& exp_avg() const { return exp_avg_; }
+  const std::vector<at::Tensor>& exp_avg_sq() const { return exp_avg_sq_; }
+  // Restores the state saved from an Adam over the same parameter shapes.
+  void load_state(int64_t steps, const std::vector<at::Tensor>& exp_avg, const std::vector<at::Tensor>& exp_avg_sq);
+
+ private:
+  std::vector<at::Tensor> params_, exp_avg_, exp_avg_sq_;
+  AdamOptions options_;
+  int64_t step_ = 0;
+};
+
+struct TrainOptions {
+  AdamOptions adam;             // lr 2e-2 by default
+  int64_t epochs = 1;           // passes over the data
+  int64_t batch_size = 4;       // conversations per forward/backward (micro-batch)
+  int64_t grad_accum = 1;       // micro-batches per optimizer step
+  bool cosine = false;          // cosine decay of lr from adam.lr to 0 over all steps
+  int64_t seed = 0;             // order of conversations: a permutation per epoch from (seed, epoch)
+  std::string checkpoint_path;  // empty: no checkpoints
+  int64_t checkpoint_every = 0; // steps between checkpoints (and one at the end); 0: never
+  bool resume = false;          // start from checkpoint_path when it exists
+
+  // Optimizer steps of the whole run for `n` conversations.
+  int64_t total_steps(int64_t n) const;
+};
+
+struct TrainProgress {
+  int64_t step;   // optimizer steps done (1-based after the first)
+  int64_t total;  // steps of the whole run
+  double loss;    // mean loss per target token of this step
+  double lr;      // learning rate this step used
+};
+// Called after each optimizer step, on the training thread; returning false cancels.
+using ProgressCallback = std::function<bool(const TrainProgress&)>;
+
+// Set from any thread to stop a running train_cartridge.
+struct CancelToken {
+  std::atomic<bool> requested{false};
+};
+
+struct TrainResult {
+  int64_t steps = 0;          // optimizer steps done in total (resumed ones included)
+  bool cancelled = false;
+  std::vector<double> losses; // loss of each step run by this call
+};
+
+// Trains `params` in place. `cancel` (may be null) is checked before every micro-batch: a
+// cancelled run stops within a step, without applying that step's partial update.
+TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, const TrainingData& data,
+                            const TrainOptions& options, const ProgressCallback& on_progress = nullptr,
+                            const std::atomic<bool>* cancel = nullptr);
+
+// Checkpoint: params, Adam state and step, in torch.save's format (torch.load reads it).
+void save_checkpoint(const std::string& path, const CartridgeParams& params, const Adam& adam);
+// Restores params (in place, same shapes) and Adam state; returns false when `path` is absent.
+bool load_checkpoint(const std::string& path, CartridgeParams& params, Adam& adam);
+
+}  // namespace cartridges

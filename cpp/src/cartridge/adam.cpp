@@ -1,0 +1,53 @@
+// Adam, step for step as torch.optim.Adam (default options) computes it.
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <cmath>
+
+#include "cartridges/cartridge.h"
+
+namespace cartridges {
+
+Adam::Adam(std::vector<at::Tensor> params, AdamOptions options) : params_(std::move(params)), options_(options) {
+  for (const auto& p : params_) {
+    TORCH_CHECK(p.scalar_type() == at::kFloat, "Adam: parameters must be float32 master copies");
+    exp_avg_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous));
+    exp_avg_sq_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous));
+  }
+}
+
+void Adam::step(double lr) {
+  at::NoGradGuard no_grad;
+  ++step_;
+  const double bias1 = 1.0 - std::pow(options_.beta1, static_cast<double>(step_));
+  const double bias2 = 1.0 - std::pow(options_.beta2, static_cast<double>(step_));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& grad = params_[i].grad();
+    if (!grad.defined()) continue;
+    exp_avg_[i].lerp_(grad, 1.0 - options_.beta1);
+    exp_avg_sq_[i].mul_(options_.beta2).addcmul_(grad, grad, 1.0 - options_.beta2);
+    auto denom = (exp_avg_sq_[i].sqrt() / std::sqrt(bias2)).add_(options_.eps);
+    params_[i].addcdiv_(exp_avg_[i], denom, -lr / bias1);
+  }
+}
+
+void Adam::zero_grad() {
+  for (auto& p : params_) {
+    if (p.grad().defined()) p.mutable_grad() = at::Tensor();
+  }
+}
+
+void Adam::load_state(int64_t steps, const std::vector<at::Tensor>& exp_avg, const std::vector<at::Tensor>& exp_avg_sq) {
+  TORCH_CHECK(exp_avg.size() == params_.size() && exp_avg_sq.size() == params_.size(),
+              "Adam::load_state: expected state for ", params_.size(), " parameters");
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    TORCH_CHECK(exp_avg[i].sizes() == params_[i].sizes() && exp_avg_sq[i].sizes() == params_[i].sizes(),
+                "Adam::load_state: state ", i, " has the wrong shape");
+    exp_avg_[i].copy_(exp_avg[i]);
+    exp_avg_sq_[i].copy_(exp_avg_sq[i]);
+  }
+  step_ = steps;
+}
+
+}  // namespace cartridges

@@ -1,0 +1,109 @@
+// The trainable prefix, the training data's checks, and the distillation loss.
+#include <torch/csrc/autograd/variable.h>
+
+#include "cartridges/cartridge.h"
+
+namespace cartridges {
+
+CartridgeParams CartridgeParams::from_prefix(const KVPrefix& prefix, int64_t num_frozen) {
+  const int64_t P = prefix.num_tokens();
+  TORCH_CHECK(!prefix.keys.empty() && prefix.keys.size() == prefix.values.size(),
+              "CartridgeParams: the prefix needs keys and values for every layer");
+  TORCH_CHECK(num_frozen >= 0 && num_frozen < P, "CartridgeParams: num_frozen must be in [0, ", P, "), got ",
+              num_frozen);
+  CartridgeParams params;
+  auto split = [&](const at::Tensor& t, std::vector<at::Tensor>& frozen, std::vector<at::Tensor>& trainable) {
+    TORCH_CHECK(t.dim() == 3 && t.size(1) == P, "CartridgeParams: every layer must be [H_kv, ", P, ", D]");
+    auto f32 = t.detach().to(at::kFloat);
+    frozen.push_back(f32.narrow(1, 0, num_frozen).clone());
+    trainable.push_back(f32.narrow(1, num_frozen, P - num_frozen).clone().set_requires_grad(true));
+  };
+  for (size_t l = 0; l < prefix.keys.size(); ++l) {
+    split(prefix.keys[l], params.frozen_keys, params.trainable_keys);
+    split(prefix.values[l], params.frozen_values, params.trainable_values);
+  }
+  return params;
+}
+
+std::vector<at::Tensor> CartridgeParams::parameters() const {
+  std::vector<at::Tensor> out(trainable_keys);
+  out.insert(out.end(), trainable_values.begin(), trainable_values.end());
+  return out;
+}
+
+KVPrefix CartridgeParams::to_prefix(at::ScalarType dtype, at::Device device, bool detach) const {
+  KVPrefix prefix;
+  auto join = [&](const at::Tensor& frozen, const at::Tensor& trainable) {
+    auto t = at::cat({frozen.to(trainable.device()), detach ? trainable.detach() : trainable}, 1);
+    return t.to(device, dtype).contiguous();
+  };
+  for (int64_t l = 0; l < num_layers(); ++l) {
+    prefix.keys.push_back(join(frozen_keys[l], trainable_keys[l]));
+    prefix.values.push_back(join(frozen_values[l], trainable_values[l]));
+  }
+  return prefix;
+}
+
+void TrainingData::validate(int64_t vocab_size) const {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong, "TrainingData: tokens must be [N, S] int64");
+  const int64_t N = tokens.size(0), S = tokens.size(1);
+  TORCH_CHECK(N > 0, "TrainingData: no conversations");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == N && lengths.scalar_type() == at::kLong,
+              "TrainingData: lengths must be [N] int64");
+  TORCH_CHECK(lengths.min().item<int64_t>() >= 2 && lengths.max().item<int64_t>() <= S,
+              "TrainingData: lengths must be in [2, S]");
+  TORCH_CHECK(target_mask.sizes() == tokens.sizes() && target_mask.scalar_type() == at::kBool,
+              "TrainingData: target_mask must be [N, S] bool");
+  // A target predicts the next token of the same row, so it lies before the row's last token.
+  auto valid = at::arange(S, at::kLong).unsqueeze(0) < (lengths - 1).unsqueeze(1);
+  TORCH_CHECK(!(target_mask & ~valid).any().item<bool>(), "TrainingData: targets past a row's last token - 1");
+  TORCH_CHECK(target_mask.any(1).all().item<bool>(), "TrainingData: every conversation needs a target");
+  const int64_t T = target_mask.sum().item<int64_t>();
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T && topk_ids.scalar_type() == at::kLong,
+              "TrainingData: topk_ids must be [T, K] int64 with T = ", T, " targets");
+  TORCH_CHECK(topk_logprobs.sizes() == topk_ids.sizes() && topk_logprobs.scalar_type() == at::kFloat,
+              "TrainingData: topk_logprobs must be float32 shaped like topk_ids");
+  TORCH_CHECK(topk_ids.min().item<int64_t>() >= 0 && topk_ids.max().item<int64_t>() < vocab_size,
+              "TrainingData: topk_ids outside the vocabulary of ", vocab_size);
+  TORCH_CHECK(tokens.min().item<int64_t>() >= 0 && tokens.max().item<int64_t>() < vocab_size,
+              "TrainingData: tokens outside the vocabulary of ", vocab_size);
+}
+
+std::pair<at::Tensor, int64_t> distillation_loss_sum(const LlamaModel& model, const CartridgeParams& params,
+                                                     const TrainingData& data, const std::vector<int64_t>& rows) {
+  TORCH_CHECK(!rows.empty(), "distillation_loss_sum: no rows");
+  TORCH_CHECK(params.num_layers() == model.config().num_layers, "distillation_loss_sum: the cartridge has ",
+              params.num_layers(), " layers, the model ", model.config().num_layers);
+  const int64_t B = static_cast<int64_t>(rows.size());
+  // Where each row's targets start in topk_ids (targets are stored in row-major mask order).
+  auto counts = data.target_mask.sum(1);            // [N]
+  auto starts = counts.cumsum(0) - counts;          // [N]
+  auto counts_a = counts.accessor<int64_t, 1>();
+  auto starts_a = starts.accessor<int64_t, 1>();
+  std::vector<int64_t> lengths(B), target_rows;
+  int64_t S = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t r = rows[i];
+    TORCH_CHECK(r >= 0 && r < data.size(), "distillation_loss_sum: row ", r, " out of range");
+    lengths[i] = data.lengths[r].item<int64_t>();
+    S = std::max(S, lengths[i]);
+    for (int64_t t = 0; t < counts_a[r]; ++t) target_rows.push_back(starts_a[r] + t);
+  }
+  auto index = at::tensor(rows, at::kLong);
+  auto tokens = data.tokens.index_select(0, index).narrow(1, 0, S);      // [B, S]
+  auto mask = data.target_mask.index_select(0, index).narrow(1, 0, S);   // [B, S]
+  auto targets = at::tensor(target_rows, at::kLong);
+  const auto device = model.device();
+  auto ids = data.topk_ids.index_select(0, targets).to(device);            // [T, K]
+  auto teacher = data.topk_logprobs.index_select(0, targets).to(device);  // [T, K]
+
+  PrefixPtr prefix = std::make_shared<KVPrefix>(params.to_prefix(model.dtype(), device, /*detach=*/false));
+  ForwardBatch batch{tokens, lengths, std::vector<PrefixList>(B, PrefixList{prefix})};
+  auto hidden = model.forward_hidden(batch, nullptr);                      // [B, S, hidden]
+  // Only target positions reach the lm_head: the vocabulary is large.
+  auto logprobs = at::log_softmax(model.logits(hidden.index({mask.to(device)})), -1);  // [T, V] float32
+  auto loss = -(teacher.exp() * logprobs.gather(1, ids)).sum();
+  return {loss, static_cast<int64_t>(target_rows.size())};
+}
+
+}  // namespace cartridges

@@ -1,0 +1,178 @@
+// The training loop: shuffled micro-batches, gradient accumulation, Adam, cosine schedule,
+// checkpoints and resume, cancellation.
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+
+#include "cartridges/cartridge.h"
+
+namespace cartridges {
+
+namespace {
+
+constexpr double kPi = 3.14159265358979323846;
+
+// The order of conversations in `epoch`: a permutation drawn from (seed, epoch) alone, so a
+// resumed run sees the same batches as an uninterrupted one.
+std::vector<int64_t> epoch_order(int64_t n, int64_t seed, int64_t epoch) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed) * 1000003ULL + epoch);
+  auto perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
+  return std::vector<int64_t>(perm.data_ptr<int64_t>(), perm.data_ptr<int64_t>() + n);
+}
+
+std::vector<at::Tensor> list_of(const c10::Dict<std::string, at::Tensor>& dict, const std::string& name, size_t n) {
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < n; ++i) {
+    const auto key = name + "." + std::to_string(i);
+    TORCH_CHECK(dict.contains(key), "checkpoint: missing '", key, "'");
+    out.push_back(dict.at(key));
+  }
+  return out;
+}
+
+}  // namespace
+
+int64_t TrainOptions::total_steps(int64_t n) const {
+  const int64_t per_step = batch_size * grad_accum;
+  return epochs * ((n + per_step - 1) / per_step);
+}
+
+// On disk: a flat tuple (name, tensor, name, tensor, ...). A tuple carries no type tags, so
+// torch.load(weights_only=True) reads it: dict(zip(t[::2], t[1::2])).
+void save_checkpoint(const std::string& path, const CartridgeParams& params, const Adam& adam) {
+  std::vector<c10::IValue> items;
+  auto put_one = [&](const std::string& name, const at::Tensor& t) {
+    items.emplace_back(name);
+    items.emplace_back(t.detach().cpu().contiguous());
+  };
+  put_one("step", at::scalar_tensor(adam.steps(), at::kLong));
+  auto put = [&](const std::string& name, const std::vector<at::Tensor>& list) {
+    for (size_t i = 0; i < list.size(); ++i) put_one(name + "." + std::to_string(i), list[i]);
+  };
+  put("frozen_keys", params.frozen_keys);
+  put("frozen_values", params.frozen_values);
+  put("params", params.parameters());
+  put("exp_avg", adam.exp_avg());
+  put("exp_avg_sq", adam.exp_avg_sq());
+  const auto bytes = torch::jit::pickle_save(c10::ivalue::Tuple::create(std::move(items)));
+  // Written aside and renamed: a crash never leaves a partial checkpoint under `path`.
+  const auto tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    TORCH_CHECK(out.good(), "checkpoint: cannot write ", tmp);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    out.flush();
+    TORCH_CHECK(out.good(), "checkpoint: write to ", tmp, " failed");
+  }
+  TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "checkpoint: cannot rename ", tmp, " to ", path);
+}
+
+bool load_checkpoint(const std::string& path, CartridgeParams& params, Adam& adam) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in.good()) return false;
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto value = torch::jit::pickle_load(bytes);
+  TORCH_CHECK(value.isTuple(), "checkpoint ", path, ": not a cartridge checkpoint");
+  const auto& elements = value.toTupleRef().elements();
+  TORCH_CHECK(elements.size() % 2 == 0, "checkpoint ", path, ": not a cartridge checkpoint");
+  c10::Dict<std::string, at::Tensor> dict;
+  for (size_t i = 0; i < elements.size(); i += 2) {
+    TORCH_CHECK(elements[i].isString() && elements[i + 1].isTensor(), "checkpoint ", path, ": malformed entry");
+    dict.insert(elements[i].toStringRef(), elements[i + 1].toTensor());
+  }
+  TORCH_CHECK(dict.contains("step"), "checkpoint ", path, ": missing 'step'");
+  auto current = params.parameters();
+  auto saved = list_of(dict, "params", current.size());
+  auto frozen_keys = list_of(dict, "frozen_keys", params.frozen_keys.size());
+  auto frozen_values = list_of(dict, "frozen_values", params.frozen_values.size());
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < current.size(); ++i) {
+    TORCH_CHECK(saved[i].sizes() == current[i].sizes(), "checkpoint ", path, ": tensor ", i, " has shape ",
+                saved[i].sizes(), ", the cartridge ", current[i].sizes());
+    current[i].copy_(saved[i]);
+  }
+  for (size_t l = 0; l < frozen_keys.size(); ++l) {
+    TORCH_CHECK(frozen_keys[l].sizes() == params.frozen_keys[l].sizes(), "checkpoint ", path,
+                ": frozen tokens differ in shape");
+    params.frozen_keys[l].copy_(frozen_keys[l]);
+    params.frozen_values[l].copy_(frozen_values[l]);
+  }
+  adam.load_state(dict.at("step").item<int64_t>(), list_of(dict, "exp_avg", current.size()),
+                  list_of(dict, "exp_avg_sq", current.size()));
+  return true;
+}
+
+TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, const TrainingData& data,
+                            const TrainOptions& options, const ProgressCallback& on_progress,
+                            const std::atomic<bool>* cancel) {
+  data.validate(model.config().vocab_size);
+  TORCH_CHECK(options.batch_size > 0 && options.grad_accum > 0 && options.epochs > 0,
+              "train_cartridge: batch_size, grad_accum and epochs must be positive");
+  TORCH_CHECK(!options.resume || !options.checkpoint_path.empty(), "train_cartridge: resume needs a checkpoint_path");
+  Adam adam(params.parameters(), options.adam);
+  if (options.resume) load_checkpoint(options.checkpoint_path, params, adam);
+
+  const int64_t n = data.size();
+  const int64_t per_step = options.batch_size * options.grad_accum;
+  const int64_t steps_per_epoch = (n + per_step - 1) / per_step;
+  const int64_t total = options.total_steps(n);
+  TORCH_CHECK(adam.steps() <= total, "train_cartridge: the checkpoint is at step ", adam.steps(), " of a run of ",
+              total);
+  auto counts = data.target_mask.sum(1);
+  auto counts_a = counts.accessor<int64_t, 1>();
+  auto cancelled = [&] { return cancel != nullptr && cancel->load(); };
+
+  TrainResult result;
+  std::vector<int64_t> order;
+  int64_t order_epoch = -1;
+  while (adam.steps() < total) {
+    const int64_t step = adam.steps();
+    const int64_t epoch = step / steps_per_epoch, j = step % steps_per_epoch;
+    if (epoch != order_epoch) {
+      order = epoch_order(n, options.seed, epoch);
+      order_epoch = epoch;
+    }
+    const int64_t begin = j * per_step, end = std::min(begin + per_step, n);
+    int64_t step_targets = 0;
+    for (int64_t i = begin; i < end; ++i) step_targets += counts_a[order[i]];
+
+    double step_loss = 0.0;
+    for (int64_t mb = begin; mb < end && !result.cancelled; mb += options.batch_size) {
+      if (cancelled()) {
+        result.cancelled = true;
+        break;
+      }
+      std::vector<int64_t> rows(order.begin() + mb, order.begin() + std::min(mb + options.batch_size, end));
+      auto [loss_sum, count] = distillation_loss_sum(model, params, data, rows);
+      auto loss = loss_sum / static_cast<double>(step_targets);
+      loss.backward();
+      step_loss += loss.item<double>();
+    }
+    if (result.cancelled) {
+      adam.zero_grad();  // the partial step is dropped
+      break;
+    }
+    const double lr = options.cosine ? options.adam.lr * 0.5 * (1.0 + std::cos(kPi * step / total)) : options.adam.lr;
+    adam.step(lr);
+    adam.zero_grad();
+    result.losses.push_back(step_loss);
+    const int64_t done = adam.steps();
+    if (!options.checkpoint_path.empty() && options.checkpoint_every > 0 &&
+        (done % options.checkpoint_every == 0 || done == total)) {
+      save_checkpoint(options.checkpoint_path, params, adam);
+    }
+    if (on_progress && !on_progress(TrainProgress{done, total, step_loss, lr})) {
+      result.cancelled = true;
+      break;
+    }
+  }
+  result.steps = adam.steps();
+  return result;
+}
+
+}  // namespace cartridges

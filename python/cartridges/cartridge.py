@@ -1,0 +1,348 @@
+"""The `Cartridge` object: a trained KV prefix, its file format, and the research `.pt` format.
+
+A cartridge holds, per layer, keys and values `[n_kv_heads, num_tokens, head_dim]` (keys
+after RoPE at positions `0..num_tokens-1`). The first `num_frozen` tokens were not trained.
+
+File format (safetensors, version 1): tensors `layers.{i}.keys` / `layers.{i}.values`, and
+string metadata:
+
+| key               | value                                                     |
+|-------------------|-----------------------------------------------------------|
+| `format`          | `cartridges.cartridge`                                    |
+| `format_version`  | `1`                                                       |
+| `fingerprint`     | the base model's fingerprint (empty when unknown)        |
+| `num_tokens`      | prefix length                                             |
+| `num_frozen`      | leading tokens that were not trained                      |
+| `num_layers`, `num_kv_heads`, `head_dim` | the shape                           |
+| `dtype`           | dtype of the stored tensors (`float32`, `bfloat16`, ...)  |
+| `config`          | JSON of the training configuration                        |
+| `checksum`        | `sha256:` + hex digest of every tensor's bytes, in layer order, keys before values |
+
+`Cartridge.load` checks all of it and raises `CartridgeFileError` on any mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import cartridges_core
+
+FORMAT = "cartridges.cartridge"
+FORMAT_VERSION = 1
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CartridgeFileError(ValueError):
+    """A cartridge file that cannot be used: damaged, of another format, or for another model."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = Path(path)
+        self.reason = reason
+
+
+def core_model(model: Any) -> cartridges_core.LlamaModel:
+    """The C++ model behind `model` (a `cartridges.Model`, or a `cartridges_core.LlamaModel`)."""
+    return model if isinstance(model, cartridges_core.LlamaModel) else model.core
+
+
+def model_fingerprint(model: Any) -> str:
+    return str(getattr(model, "fingerprint", "") or "")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, d in _DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"unsupported cartridge dtype {dtype}")
+
+
+@dataclass(eq=False)
+class Cartridge:
+    keys: list[torch.Tensor]  # per layer [n_kv_heads, num_tokens, head_dim], after RoPE
+    values: list[torch.Tensor]  # per layer [n_kv_heads, num_tokens, head_dim]
+    num_frozen: int = 1  # leading tokens that were not trained (the attention sink)
+    fingerprint: str = ""  # the base model's fingerprint; "" when unknown
+    config: dict[str, Any] = field(default_factory=dict)  # how it was trained
+    stats: dict[str, Any] = field(default_factory=dict, compare=False)  # from train(): losses, times
+    _prefixes: dict[tuple[str, str], cartridges_core.KVPrefix] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        if not self.keys or len(self.keys) != len(self.values):
+            raise ValueError("a cartridge needs keys and values for every layer")
+        shape = tuple(self.keys[0].shape)
+        for k, v in zip(self.keys, self.values):
+            if k.dim() != 3 or tuple(k.shape) != shape or tuple(v.shape) != shape:
+                raise ValueError(f"every layer's keys and values must be {list(shape)}")
+        if not 0 <= self.num_frozen <= shape[1]:
+            raise ValueError(f"num_frozen must be in [0, {shape[1]}]")
+
+    def __eq__(self, other: object) -> bool:
+        """Same tensors (bit for bit, same dtype), frozen count, fingerprint and config."""
+        if not isinstance(other, Cartridge):
+            return NotImplemented
+        return (
+            (self.num_frozen, self.fingerprint, self.config) == (other.num_frozen, other.fingerprint, other.config)
+            and len(self.keys) == len(other.keys)
+            and all(torch.equal(a, b) for a, b in zip((*self.keys, *self.values), (*other.keys, *other.values)))
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    # -- shape ---------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.keys[0].shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.keys[0].shape[1])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.keys[0].shape[2])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys[0].dtype
+
+    @property
+    def nbytes(self) -> int:
+        """KV memory of the cartridge in its own dtype."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    # -- conversions ---------------------------------------------------------------------
+    @classmethod
+    def from_params(
+        cls, params: cartridges_core.CartridgeParams, fingerprint: str = "", config: dict[str, Any] | None = None
+    ) -> Cartridge:
+        """Detached float32 copy of a trainable prefix."""
+        keys = [torch.cat([f, t.detach()], 1).clone() for f, t in zip(params.frozen_keys, params.trainable_keys)]
+        values = [
+            torch.cat([f, t.detach()], 1).clone() for f, t in zip(params.frozen_values, params.trainable_values)
+        ]
+        return cls(keys, values, params.num_frozen, fingerprint, dict(config or {}))
+
+    def to_params(self) -> cartridges_core.CartridgeParams:
+        """A trainable float32 copy (to continue training)."""
+        f = self.num_frozen
+        return cartridges_core.CartridgeParams(
+            [k[:, :f] for k in self.keys],
+            [v[:, :f] for v in self.values],
+            [k[:, f:] for k in self.keys],
+            [v[:, f:] for v in self.values],
+        )
+
+    def to(self, dtype: torch.dtype) -> Cartridge:
+        return Cartridge(
+            [k.to(dtype) for k in self.keys],
+            [v.to(dtype) for v in self.values],
+            self.num_frozen,
+            self.fingerprint,
+            dict(self.config),
+        )
+
+    def prefix(self, model: Any) -> cartridges_core.KVPrefix:
+        """The cartridge as a KV prefix in the model's dtype and device (made once, then shared)."""
+        core = core_model(model)
+        self.check_model(model)
+        key = (core.dtype, core.device)
+        if key not in self._prefixes:
+            dtype = _DTYPES[core.dtype]
+            self._prefixes[key] = cartridges_core.KVPrefix(
+                [k.to(core.device, dtype).contiguous() for k in self.keys],
+                [v.to(core.device, dtype).contiguous() for v in self.values],
+            )
+        return self._prefixes[key]
+
+    def check_model(self, model: Any, path: str | os.PathLike[str] | None = None) -> None:
+        """Raise unless the cartridge fits `model` (shape, and fingerprint when both know one)."""
+        c = core_model(model).config
+
+        def fail(reason: str) -> None:
+            if path is not None:
+                raise CartridgeFileError(path, reason)
+            raise ValueError(reason)
+
+        got = (self.num_layers, self.num_kv_heads, self.head_dim)
+        want = (c.num_layers, c.num_kv_heads, c.head_dim)
+        if got != want:
+            fail(f"cartridge shape (layers, kv heads, head dim) {got} does not fit the model's {want}")
+        fp = model_fingerprint(model)
+        if self.fingerprint and fp and self.fingerprint != fp:
+            fail(f"cartridge was trained for model {self.fingerprint}, not for this model ({fp})")
+
+    # -- files ---------------------------------------------------------------------------
+    def checksum(self) -> str:
+        h = hashlib.sha256()
+        for t in (*self.keys, *self.values):
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return "sha256:" + h.hexdigest()
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the cartridge as safetensors (see the module doc), atomically."""
+        from safetensors.torch import save_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            tensors[f"layers.{i}.keys"] = k.detach().cpu().contiguous()
+            tensors[f"layers.{i}.values"] = v.detach().cpu().contiguous()
+        metadata = {
+            "format": FORMAT,
+            "format_version": str(FORMAT_VERSION),
+            "fingerprint": self.fingerprint,
+            "num_tokens": str(self.num_tokens),
+            "num_frozen": str(self.num_frozen),
+            "num_layers": str(self.num_layers),
+            "num_kv_heads": str(self.num_kv_heads),
+            "head_dim": str(self.head_dim),
+            "dtype": _dtype_name(self.dtype),
+            "config": json.dumps(self.config, sort_keys=True),
+            "checksum": self.checksum(),
+        }
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(tensors, str(tmp), metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], model: Any | None = None) -> Cartridge:
+        """Read a cartridge file; with `model`, also check that it was made for that model."""
+        from safetensors import SafetensorError, safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise CartridgeFileError(path, "no such file")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                names = set(f.keys())
+                tensors = {name: f.get_tensor(name) for name in names}
+        except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+            raise CartridgeFileError(path, f"not a readable safetensors file (truncated or damaged?): {error}") from None
+        if meta.get("format") != FORMAT:
+            raise CartridgeFileError(path, "not a cartridge file (no 'format: cartridges.cartridge' metadata)")
+        if meta.get("format_version") != str(FORMAT_VERSION):
+            raise CartridgeFileError(
+                path, f"format version {meta.get('format_version')!r}; this version reads {FORMAT_VERSION}"
+            )
+        try:
+            num_layers = int(meta["num_layers"])
+            shape = (int(meta["num_kv_heads"]), int(meta["num_tokens"]), int(meta["head_dim"]))
+            num_frozen = int(meta["num_frozen"])
+            dtype = _DTYPES[meta["dtype"]]
+            config = json.loads(meta.get("config") or "{}")
+            checksum = meta["checksum"]
+        except (KeyError, ValueError) as error:
+            raise CartridgeFileError(path, f"bad or missing metadata: {error}") from None
+        expected = {f"layers.{i}.{kind}" for i in range(num_layers) for kind in ("keys", "values")}
+        if names != expected:
+            raise CartridgeFileError(path, f"tensors do not match the metadata's {num_layers} layers")
+        for name, t in tensors.items():
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise CartridgeFileError(
+                    path, f"tensor {name} is {list(t.shape)} {t.dtype}, metadata says {list(shape)} {dtype}"
+                )
+        cartridge = cls(
+            [tensors[f"layers.{i}.keys"] for i in range(num_layers)],
+            [tensors[f"layers.{i}.values"] for i in range(num_layers)],
+            num_frozen,
+            meta.get("fingerprint", ""),
+            config,
+        )
+        if cartridge.checksum() != checksum:
+            raise CartridgeFileError(path, "checksum mismatch: the file is damaged")
+        if model is not None:
+            cartridge.check_model(model, path)
+        return cartridge
+
+    # -- the original research code's .pt format -----------------------------------------
+    def export_pt(self, path: str | os.PathLike[str]) -> None:
+        """Write `{trainable_keys, trainable_values, frozen_keys, frozen_values}`, lists of
+        per-layer `[1, n_kv_heads, tokens, head_dim]` tensors, as the research code saves them."""
+        f = self.num_frozen
+        torch.save(
+            {
+                "trainable_keys": [k[None, :, f:].clone() for k in self.keys],
+                "trainable_values": [v[None, :, f:].clone() for v in self.values],
+                "frozen_keys": [k[None, :, :f].clone() for k in self.keys],
+                "frozen_values": [v[None, :, :f].clone() for v in self.values],
+            },
+            str(path),
+        )
+
+    @classmethod
+    def import_pt(cls, path: str | os.PathLike[str], model: Any | None = None) -> Cartridge:
+        """Read a research-code `.pt` cartridge (frozen tokens first, then trainable ones)."""
+        try:
+            data = torch.load(str(path), map_location="cpu", weights_only=True)
+        except Exception as error:  # torch raises many kinds for a bad file
+            raise CartridgeFileError(path, f"not a readable .pt cartridge: {error}") from None
+        if not isinstance(data, Mapping) or "trainable_keys" not in data or "trainable_values" not in data:
+            raise CartridgeFileError(path, "expected a dict with trainable_keys and trainable_values")
+
+        def layers(name: str) -> list[torch.Tensor] | None:
+            value = data.get(name)
+            if value is None:
+                return None
+            if isinstance(value, Mapping):  # a ParameterList's state dict: {"0": t, "1": t, ...}
+                value = [value[k] for k in sorted(value, key=lambda k: int(str(k).rsplit(".", 1)[-1]))]
+            if not isinstance(value, Sequence):
+                raise CartridgeFileError(path, f"{name} must be a list of per-layer tensors")
+            out = []
+            for t in value:
+                t = torch.as_tensor(t).detach()
+                if t.dim() == 4:
+                    if t.shape[0] != 1:
+                        raise CartridgeFileError(path, f"{name}: batch dimension must be 1, got {t.shape[0]}")
+                    t = t[0]
+                if t.dim() != 3:
+                    raise CartridgeFileError(path, f"{name}: expected [1, n_kv_heads, tokens, head_dim] tensors")
+                out.append(t)
+            return out
+
+        tk, tv = layers("trainable_keys"), layers("trainable_values")
+        fk, fv = layers("frozen_keys"), layers("frozen_values")
+        assert tk is not None and tv is not None
+        if fk is None or fv is None or len(fk) == 0:
+            fk = [k[:, :0] for k in tk]
+            fv = [v[:, :0] for v in tv]
+        if not (len(tk) == len(tv) == len(fk) == len(fv)):
+            raise CartridgeFileError(path, "the four lists must have one tensor per layer")
+        try:
+            cartridge = cls(
+                [torch.cat([f, t.to(f.dtype)], 1) for f, t in zip(fk, tk)],
+                [torch.cat([f, t.to(f.dtype)], 1) for f, t in zip(fv, tv)],
+                num_frozen=int(fk[0].shape[1]),
+                config={"imported_from": Path(path).name},
+            )
+        except (RuntimeError, ValueError) as error:
+            raise CartridgeFileError(path, f"inconsistent shapes: {error}") from None
+        if model is not None:
+            cartridge.check_model(model, path)
+            cartridge.fingerprint = model_fingerprint(model)
+        return cartridge
+
+
+def load_cartridge(path: str | os.PathLike[str], model: Any | None = None) -> Cartridge:
+    """`Cartridge.load` for `.safetensors`, `Cartridge.import_pt` for `.pt`."""
+    if str(path).endswith(".pt"):
+        return Cartridge.import_pt(path, model)
+    return Cartridge.load(path, model)
+

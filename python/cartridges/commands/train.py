@@ -1,0 +1,82 @@
+"""`cartridges train FILE... --out CART.safetensors`: self-study from text files to a cartridge."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import add_model_argument, load_model_or_report
+from dataclasses import fields
+from pathlib import Path
+
+
+def _options():
+    from ..selfstudy.config import TrainConfig
+
+    return list(fields(TrainConfig))
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from ..selfstudy.config import INITS, OBJECTIVES, TrainConfig
+
+    parser = subparsers.add_parser(
+        "train",
+        help="train a cartridge for text files by self-study",
+        description="Train a cartridge for one or more text files (.txt, .md, or .pdf) by self-study on the "
+        "default model (or --model), and write it as a .safetensors file (or a research .pt with --out X.pt).",
+    )
+    parser.add_argument("files", nargs="+", metavar="FILE", help="the corpus: text, markdown or PDF files")
+    parser.add_argument("--out", required=True, metavar="CART", help="where to write the cartridge")
+    add_model_argument(parser)
+    parser.add_argument("--checkpoint", metavar="PATH", help="keep training state here (and resume from it)")
+    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    defaults = TrainConfig()
+    choices = {"init": INITS, "objective": OBJECTIVES}
+    for f in fields(TrainConfig):
+        value = getattr(defaults, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value,
+                                help=f"(default: {value})")
+        else:
+            parser.add_argument(flag, type=type(value), default=value, choices=choices.get(f.name),
+                                help=f"(default: {value})")
+    parser.set_defaults(run=run)
+
+
+def read_text(path: Path) -> str:
+    if path.suffix.lower() == ".pdf":
+        from pypdf import PdfReader
+
+        return "\n\n".join(page.extract_text() or "" for page in PdfReader(str(path)).pages)
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cartridge import Cartridge
+    from ..selfstudy.config import TrainConfig
+    from ..training import train
+
+    config = TrainConfig(**{f.name: getattr(args, f.name) for f in _options()})
+    try:
+        texts = [read_text(Path(p)) for p in args.files]
+    except OSError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    model = load_model_or_report(args.model)
+    if model is None:
+        return 1
+    cartridge: Cartridge = train(model, texts, config, progress=not args.no_progress,
+                                 checkpoint=args.checkpoint, resume=args.resume)
+    out = Path(args.out)
+    if out.suffix == ".pt":
+        cartridge.export_pt(out)
+    else:
+        cartridge.save(out)
+    stats = cartridge.stats
+    print(f"wrote {out}: {cartridge.num_tokens} tokens, {cartridge.nbytes / 2**20:.1f} MiB; "
+          f"{stats['num_conversations']} conversations, {stats['steps']} steps, final loss "
+          f"{stats['losses'][-1] if stats['losses'] else float('nan'):.4f}; synthesis {stats['synthesis_s']:.0f} s, "
+          f"training {stats['training_s']:.0f} s", file=sys.stderr)
+    return 0

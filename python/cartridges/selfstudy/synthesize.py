@@ -1,0 +1,217 @@
+"""Self-study synthesis: "A" writes a user message about a chunk, "B" answers it with the
+chunk in context; B's top-k log-probabilities per answer token are the teacher's targets.
+
+Conversations of one batch share their chunk: the tokens their prompts have in common (the
+system prompt holding the chunk) are run once into a KV prefix that every row reuses, for
+A's generation, B's generation and the teacher's scoring alike.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+import cartridges_core
+
+from ..cartridge import core_model
+from .chunking import Corpus
+from .config import TrainConfig
+from .prompts import SYSTEM_PROMPT, draw_seed_prompts
+
+# Template tokens around the chunk and the messages, beyond what the config's limits count.
+_TEMPLATE_MARGIN = 32
+
+
+@dataclass
+class Conversation:
+    kind: str  # seed prompt kind
+    chunk: str  # the corpus window both A and B had in context (one string shared by its batch)
+    question: str  # A's message, the user turn
+    answer: list[int]  # B's tokens, its stop token included when it stopped
+    topk_ids: torch.Tensor  # [len(answer), K] int64: the teacher's most likely tokens per answer token
+    topk_logprobs: torch.Tensor  # [len(answer), K] float32: their log-probabilities
+
+
+def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
+    first = seqs[0]
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        if any(s[i] != first[i] for s in seqs):
+            return i
+    return n
+
+
+def slice_prefix(prefix: cartridges_core.KVPrefix, n: int) -> cartridges_core.KVPrefix:
+    """The KV of the first n tokens (a causal prefix of a prefix is the prefix of the prefix)."""
+    if n == prefix.num_tokens:
+        return prefix
+    return cartridges_core.KVPrefix([k[:, :n] for k in prefix.keys], [v[:, :n] for v in prefix.values])
+
+
+def _pad(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
+    lengths = [len(r) for r in rows]
+    tokens = torch.zeros(len(rows), max(lengths), dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return tokens, lengths
+
+
+class Synthesizer:
+    def __init__(self, model, config: TrainConfig) -> None:
+        self.model = model
+        self.core = core_model(model)
+        self.tok = model.tokenizer
+        self.config = config
+        self.stop = list(self.tok.eos_token_ids)
+        context = self.core.config.max_position_embeddings
+        # B's prompt holds the chunk and A's message, then B answers: the chunk gets the rest.
+        overhead = len(self.prompt("", "x")) + _TEMPLATE_MARGIN
+        self.chunk_budget = context - overhead - config.max_question_tokens - config.max_answer_tokens
+        if self.chunk_budget < 1:
+            raise ValueError(
+                f"the model's context ({context}) leaves no room for a chunk with "
+                f"max_question_tokens={config.max_question_tokens} and max_answer_tokens={config.max_answer_tokens}"
+            )
+
+    def prompt(self, chunk_text: str, user: str) -> list[int]:
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT.format(chunk=chunk_text)},
+            {"role": "user", "content": user},
+        ]
+        return list(self.tok.encode_chat(messages, add_generation_prompt=True))
+
+    def _generate(self, prompts, params, prefix):
+        """Generate with the longest shared part of the prompts taken from `prefix` (the KV of
+        tokens every prompt starts with). Returns the results and the prefix used."""
+        shared = min(common_prefix_len(prompts), prefix[1], min(len(p) for p in prompts) - 1)
+        kv = slice_prefix(prefix[0], shared) if shared > 0 else None
+        rows = [p[shared:] for p in prompts]
+        results = cartridges_core.generate(self.core, rows, params, [[kv]] * len(rows) if kv else None)
+        return results, (kv, shared)
+
+    def _teacher_topk(self, prompts, answers, prefix) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """B's top-k log-probabilities at each answer token, with the chunk in context."""
+        kv, shared = prefix
+        shared = min(shared, min(len(p) for p in prompts) - 1)
+        kv = slice_prefix(kv, shared) if kv is not None and shared > 0 else None
+        rows = [p[shared:] + a for p, a in zip(prompts, answers)]
+        tokens, lengths = _pad(rows)
+        k = self.config.top_k
+        out = []
+        with torch.no_grad():
+            hidden = self.core.forward_hidden(tokens, lengths, None, [[kv]] * len(rows) if kv else None)
+            for i, (p, a) in enumerate(zip(prompts, answers)):
+                start = len(p) - shared - 1  # the position that predicts a[0]
+                logprobs = torch.log_softmax(self.core.logits(hidden[i, start : start + len(a)]), -1)
+                values, ids = logprobs.topk(min(k, logprobs.shape[-1]), -1)
+                out.append((ids.contiguous(), values.float().contiguous()))
+        return out
+
+    def batch(self, corpus: Corpus, rng: random.Random, n: int) -> list[Conversation]:
+        cfg = self.config
+        chunk = corpus.chunk(rng, min(cfg.chunk_min_tokens, self.chunk_budget), min(cfg.chunk_max_tokens, self.chunk_budget))
+        chunk_text = self.tok.decode(chunk)
+        seeds = draw_seed_prompts(rng, n)
+        a_prompts = [self.prompt(chunk_text, text) for _, text in seeds]
+        # The chunk's KV, computed once for the whole batch.
+        shared = min(common_prefix_len(a_prompts), min(len(p) for p in a_prompts) - 1)
+        kv = self.core.prefix_from_tokens(torch.tensor(a_prompts[0][:shared], dtype=torch.long))
+        a_params = [
+            cartridges_core.SamplingParams(
+                temperature=cfg.question_temperature, seed=rng.getrandbits(31),
+                max_new_tokens=cfg.max_question_tokens, stop_token_ids=self.stop,
+            )
+            for _ in range(n)
+        ]
+        a_results, _ = self._generate(a_prompts, a_params, (kv, shared))
+        questions = []
+        for (_, seed_text), (tokens, _) in zip(seeds, a_results):
+            text = self.tok.decode([t for t in tokens if t not in self.stop]).strip()
+            questions.append(text or seed_text)
+
+        b_prompts = [self.prompt(chunk_text, q) for q in questions]
+        b_params = [
+            cartridges_core.SamplingParams(
+                temperature=cfg.answer_temperature, seed=rng.getrandbits(31),
+                max_new_tokens=cfg.max_answer_tokens, stop_token_ids=self.stop,
+            )
+            for _ in range(n)
+        ]
+        # Check the B prompts really start with the tokens the chunk's KV was made from.
+        b_shared = min(shared, common_prefix_len([*b_prompts, a_prompts[0][:shared]]))
+        b_results, b_prefix = self._generate(b_prompts, b_params, (kv, b_shared))
+        answers = [list(tokens) for tokens, _ in b_results]
+        topk = self._teacher_topk(b_prompts, answers, b_prefix)
+        return [
+            Conversation(kind, chunk_text, q, a, ids, lp)
+            for (kind, _), q, a, (ids, lp) in zip(seeds, questions, answers, topk)
+        ]
+
+
+def synthesize(
+    model, corpus: Corpus, config: TrainConfig, on_progress: Callable[[int, int], object] | None = None
+) -> list[Conversation]:
+    """`config.num_samples` conversations about random chunks of `corpus`, deterministic in
+    `config.seed`. `on_progress(done, total)` is called after each batch."""
+    synth = Synthesizer(model, config)
+    rng = random.Random(config.seed)
+    out: list[Conversation] = []
+    while len(out) < config.num_samples:
+        n = min(config.synthesis_batch_size, config.num_samples - len(out))
+        out.extend(synth.batch(corpus, rng, n))
+        if on_progress is not None:
+            on_progress(len(out), config.num_samples)
+    return out
+
+
+def student_tokens(tokenizer, question: str) -> list[int]:
+    """What the student sees before the answer: the user turn alone, no chunk."""
+    return list(tokenizer.encode_chat([{"role": "user", "content": question}], add_generation_prompt=True))
+
+
+def training_data(model, conversations: Sequence[Conversation], prefix_tokens: int) -> cartridges_core.TrainingData:
+    """Conversations as the student sees them (no chunk), right-padded, with the teacher's
+    top-k at each answer token. Answers are cut so that prefix + conversation fit the context."""
+    context = core_model(model).config.max_position_embeddings
+    rows, targets_ids, targets_lp, spans = [], [], [], []
+    for c in conversations:
+        prompt = student_tokens(model.tokenizer, c.question)
+        room = context - prefix_tokens - len(prompt)
+        if room < 1:
+            continue
+        n = min(len(c.answer), room)
+        rows.append(prompt + c.answer[:n])
+        spans.append((len(prompt) - 1, n))
+        targets_ids.append(c.topk_ids[:n])
+        targets_lp.append(c.topk_logprobs[:n])
+    if not rows:
+        raise ValueError("no conversation fits the model's context next to the cartridge")
+    tokens, lengths = _pad(rows)
+    mask = torch.zeros_like(tokens, dtype=torch.bool)
+    for i, (start, n) in enumerate(spans):
+        mask[i, start : start + n] = True
+    return cartridges_core.TrainingData(
+        tokens, torch.tensor(lengths, dtype=torch.long), mask, torch.cat(targets_ids), torch.cat(targets_lp)
+    )
+
+
+def next_token_data(corpus: Corpus, config: TrainConfig, context: int) -> cartridges_core.TrainingData:
+    """The ablation: random windows of the corpus, every next token a target (K = 1, p = 1)."""
+    rng = random.Random(config.seed)
+    length = min(config.max_question_tokens + config.max_answer_tokens, context - config.num_tokens, len(corpus))
+    if length < 2:
+        raise ValueError("the corpus or the context is too short for next-token training")
+    rows = []
+    for _ in range(config.num_samples):
+        start = rng.randint(0, len(corpus) - length)
+        rows.append(corpus.tokens[start : start + length])
+    tokens = torch.tensor(rows, dtype=torch.long)
+    mask = torch.zeros_like(tokens, dtype=torch.bool)
+    mask[:, :-1] = True
+    ids = tokens[:, 1:].reshape(-1, 1).contiguous()
+    return cartridges_core.TrainingData(
+        tokens, torch.full((len(rows),), length, dtype=torch.long), mask, ids, torch.zeros(ids.shape, dtype=torch.float32)
+    )

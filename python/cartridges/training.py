@@ -1,0 +1,139 @@
+"""`train()`: self-study from texts to a `Cartridge`, with a progress bar."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import cartridges_core
+
+from .cartridge import Cartridge, core_model, model_fingerprint
+from .selfstudy import Corpus, TrainConfig, next_token_data, synthesize, training_data
+from .selfstudy.prompts import UNRELATED_TEXT
+
+
+def init_params(model: Any, corpus: Corpus, config: TrainConfig) -> cartridges_core.CartridgeParams:
+    """The trainable prefix before training: the KV of the first `num_tokens` corpus tokens
+    (fewer when the corpus is shorter), or of unrelated text repeated to `num_tokens`."""
+    if config.init == "corpus":
+        tokens = corpus.tokens[: config.num_tokens]
+    else:
+        unrelated = model.tokenizer.encode(UNRELATED_TEXT)
+        tokens = (unrelated * (config.num_tokens // len(unrelated) + 1))[: config.num_tokens]
+    if len(tokens) <= config.num_frozen:
+        raise ValueError(f"a cartridge needs more than num_frozen={config.num_frozen} tokens; the corpus has {len(tokens)}")
+    prefix = core_model(model).prefix_from_tokens(torch.tensor(tokens, dtype=torch.long))
+    return cartridges_core.CartridgeParams(prefix, config.num_frozen)
+
+
+class _Bar:
+    """A tqdm bar per stage when `enabled` and attached to a terminal or notebook."""
+
+    def __init__(self, enabled: bool, callback: Callable[[str, int, int, float | None], object] | None) -> None:
+        self.enabled = enabled
+        self.callback = callback
+        self.bar = None
+        self.stage = ""
+
+    def update(self, stage: str, done: int, total: int, loss: float | None = None) -> None:
+        if self.callback is not None:
+            self.callback(stage, done, total, loss)
+        if not self.enabled:
+            return
+        if stage != self.stage:
+            self.close()
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=stage, unit="conv" if stage == "synthesis" else "step", disable=None)
+            self.stage = stage
+        assert self.bar is not None
+        self.bar.n = done
+        if loss is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def train(
+    model: Any,
+    texts: str | Sequence[str],
+    config: TrainConfig | None = None,
+    progress: bool = True,
+    *,
+    checkpoint: str | os.PathLike[str] | None = None,
+    resume: bool = False,
+    cancel: cartridges_core.CancelToken | None = None,
+    on_progress: Callable[[str, int, int, float | None], object] | None = None,
+) -> Cartridge:
+    """Train a cartridge for `texts` on `model` by self-study.
+
+    `progress` shows a bar (stage, step, loss) in a terminal or notebook; `on_progress(stage,
+    done, total, loss)` is called as well, stage being "synthesis" or "training". With
+    `checkpoint`, the synthesized data is kept beside it (CHECKPOINT.data.pt) and training state
+    is written every `config.checkpoint_every` steps and at the end; `resume` continues from them.
+    `cancel.cancel()` stops training within a step; the cartridge is then the last completed step's.
+    The returned cartridge's `stats` holds losses and wall times."""
+    config = config or TrainConfig()
+    if isinstance(texts, str):
+        texts = [texts]
+    core = core_model(model)
+    corpus = Corpus.from_texts(model.tokenizer, texts)
+    bar = _Bar(progress, on_progress)
+    try:
+        params = init_params(model, corpus, config)
+        data_path = Path(f"{checkpoint}.data.pt") if checkpoint is not None else None
+        t0 = time.perf_counter()
+        if resume and data_path is not None and data_path.exists():
+            saved = torch.load(data_path, weights_only=True)
+            data = cartridges_core.TrainingData(**saved)
+        elif config.objective == "distill":
+            conversations = synthesize(
+                model, corpus, config, lambda done, total: bar.update("synthesis", done, total)
+            )
+            data = training_data(model, conversations, params.num_tokens)
+        else:
+            data = next_token_data(corpus, config, core.config.max_position_embeddings)
+        if data_path is not None and not (resume and data_path.exists()):
+            names = ("tokens", "lengths", "target_mask", "topk_ids", "topk_logprobs")
+            torch.save({n: getattr(data, n) for n in names}, data_path)
+        t1 = time.perf_counter()
+
+        options = cartridges_core.TrainOptions()
+        options.lr = config.lr
+        options.epochs = config.epochs
+        options.batch_size = config.batch_size
+        options.grad_accum = config.grad_accum
+        options.cosine = config.cosine
+        options.seed = config.seed
+        if checkpoint is not None:
+            options.checkpoint_path = str(checkpoint)
+            options.checkpoint_every = config.checkpoint_every or options.total_steps(data.tokens.shape[0])
+            options.resume = resume
+
+        def report(p: cartridges_core.TrainProgress) -> None:
+            bar.update("training", p.step, p.total, p.loss)
+
+        result = cartridges_core.train_cartridge(core, params, data, options, report, cancel)
+        t2 = time.perf_counter()
+    finally:
+        bar.close()
+    cartridge = Cartridge.from_params(params, model_fingerprint(model), config.to_dict())
+    cartridge.stats = {
+        "losses": list(result.losses),
+        "steps": result.steps,
+        "cancelled": result.cancelled,
+        "num_conversations": int(data.tokens.shape[0]),
+        "num_target_tokens": int(data.topk_ids.shape[0]),
+        "synthesis_s": t1 - t0,
+        "training_s": t2 - t1,
+    }
+    return cartridge

@@ -1,0 +1,189 @@
+"""The Cartridge object: exactness of the corpus initialization, files (.safetensors and the
+research .pt format) and their refusals, generation with several cartridges."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cartridges_core
+from cartridges.cartridge import Cartridge, CartridgeFileError, load_cartridge
+from cartridges.selfstudy import Corpus, TrainConfig
+from cartridges.training import init_params
+
+from .tiny import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def corpus_cartridge(model, text: str, num_tokens: int = 64) -> Cartridge:
+    corpus = Corpus.from_texts(model.tokenizer, [text])
+    params = init_params(model, corpus, TrainConfig(num_tokens=num_tokens))
+    return Cartridge.from_params(params, model.fingerprint, {"num_tokens": num_tokens})
+
+
+def trained_like(model, seed: int = 0) -> Cartridge:
+    """A cartridge whose tensors are not those of any text (as after training)."""
+    c = corpus_cartridge(model, "Some text to start from.")
+    g = torch.Generator().manual_seed(seed)
+    return Cartridge([k + torch.randn(k.shape, generator=g) for k in c.keys],
+                     [v + torch.randn(v.shape, generator=g) for v in c.values], 1, c.fingerprint, c.config)
+
+
+def test_untrained_corpus_cartridge_equals_corpus_in_context(model):
+    text = "The lighthouse of Varnholm was lit in 1731."
+    cart = corpus_cartridge(model, text)  # the corpus fits in num_tokens
+    corpus = model.tokenizer.encode(text)
+    assert cart.num_tokens == len(corpus) and cart.num_frozen == 1
+    conversation = model.tokenizer.encode_chat([{"role": "user", "content": "When was it lit?"}])
+    in_context = model.core.forward(torch.tensor([corpus + conversation]))[0, len(corpus):]
+    with_cartridge = model.core.forward(torch.tensor([conversation]), prefixes=[[cart.prefix(model)]])[0]
+    assert (in_context - with_cartridge).abs().max() <= 1e-4
+
+
+def test_generation_with_several_cartridges_equals_texts_in_context(model):
+    a, b = "First part: the key is blue.", " Second part: the door is red."
+    ta = model.tokenizer.encode(a)
+    first = corpus_cartridge(model, a)
+    # The second cartridge continues after the first (positions |a|..): built from the joined KV.
+    both = corpus_cartridge(model, a + b)
+    second = Cartridge([k[:, len(ta):] for k in both.keys], [v[:, len(ta):] for v in both.values], 0, model.fingerprint)
+    prompt = model.tokenizer.encode_chat([{"role": "user", "content": "Colors?"}])
+    params = [cartridges_core.SamplingParams(max_new_tokens=12)] * 2
+    both_prefixes = [first.prefix(model), second.prefix(model)]
+    composed = cartridges_core.generate(model.core, [prompt, prompt[:5]], params, [both_prefixes] * 2)
+    text = model.tokenizer.encode(a + b)
+    plain = cartridges_core.generate(model.core, [text + prompt, text + prompt[:5]], params)
+    assert composed == plain
+    assert first.prefix(model) is both_prefixes[0]  # made once, shared by every request
+
+
+def test_save_load_round_trip_is_exact(model, tmp_path):
+    cart = trained_like(model)
+    cart.config = {"lr": 0.02, "seed": 3}
+    path = tmp_path / "c.safetensors"
+    cart.save(path)
+    loaded = Cartridge.load(path, model)
+    assert loaded == cart
+    assert all(torch.equal(x, y) for x, y in zip(loaded.keys + loaded.values, cart.keys + cart.values))
+    assert loaded.config == {"lr": 0.02, "seed": 3} and loaded.fingerprint == model.fingerprint
+    half = cart.to(torch.bfloat16)
+    half.save(path)
+    assert Cartridge.load(path, model).dtype == torch.bfloat16
+    assert Cartridge.load(path) == half
+    # The continued-training copy carries the same tensors.
+    params = cart.to_params()
+    assert Cartridge.from_params(params, cart.fingerprint, cart.config) == cart
+
+
+def test_pt_import_export_round_trip_is_exact(model, tmp_path):
+    cart = trained_like(model, seed=1)
+    path = tmp_path / "research.pt"
+    cart.export_pt(path)
+    raw = torch.load(path, weights_only=True)
+    assert set(raw) == {"trainable_keys", "trainable_values", "frozen_keys", "frozen_values"}
+    assert tuple(raw["trainable_keys"][0].shape) == (1, cart.num_kv_heads, cart.num_tokens - 1, cart.head_dim)
+    assert tuple(raw["frozen_values"][1].shape) == (1, cart.num_kv_heads, 1, cart.head_dim)
+    back = load_cartridge(path, model)
+    assert back.num_frozen == 1 and back.fingerprint == model.fingerprint
+    assert all(torch.equal(x, y) for x, y in zip(back.keys + back.values, cart.keys + cart.values))
+    back.export_pt(tmp_path / "again.pt")
+    again = torch.load(tmp_path / "again.pt", weights_only=True)
+    for name in raw:
+        assert all(torch.equal(x, y) for x, y in zip(raw[name], again[name]))
+
+
+def test_bad_files_are_refused(model, tmp_path):
+    cart = trained_like(model)
+    path = tmp_path / "c.safetensors"
+    cart.save(path)
+    data = path.read_bytes()
+
+    other = tiny_model(seed=1)  # same shapes, other weights
+    with pytest.raises(CartridgeFileError, match="trained for model"):
+        Cartridge.load(path, other)
+    wider = tiny_model(context=512)
+    wider.core = cartridges_core.LlamaModel(
+        _with(wider.config, num_layers=3), _three_layers(wider.weights), "cpu", "float32"
+    )
+    with pytest.raises(CartridgeFileError, match="does not fit"):
+        Cartridge.load(path, wider)
+
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(data[: len(data) - 100])
+    with pytest.raises(CartridgeFileError, match="truncated or damaged"):
+        Cartridge.load(truncated, model)
+
+    flipped = bytearray(data)
+    flipped[-5] ^= 0x40  # inside the last tensor's bytes
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(bytes(flipped))
+    with pytest.raises(CartridgeFileError, match="checksum"):
+        Cartridge.load(damaged, model)
+
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "weights.safetensors"))
+    with pytest.raises(CartridgeFileError, match="not a cartridge"):
+        Cartridge.load(tmp_path / "weights.safetensors", model)
+    with pytest.raises(CartridgeFileError, match="no such file"):
+        Cartridge.load(tmp_path / "absent.safetensors", model)
+    (tmp_path / "junk.pt").write_bytes(b"not a pickle")
+    with pytest.raises(CartridgeFileError, match="not a readable"):
+        Cartridge.import_pt(tmp_path / "junk.pt", model)
+
+
+def _with(config, **changes):
+    c = cartridges_core.LlamaConfig()
+    for name in dir(config):
+        if not name.startswith("_") and name != "validate":
+            setattr(c, name, getattr(config, name))
+    for k, v in changes.items():
+        setattr(c, k, v)
+    return c
+
+
+def _three_layers(weights):
+    w = dict(weights)
+    for name, t in weights.items():
+        if name.startswith("model.layers.0."):
+            w[name.replace("layers.0.", "layers.2.")] = t
+    return w
+
+
+def test_train_and_chat_commands(model, tmp_path, monkeypatch, capsys):
+    import io
+
+    import cartridges.model
+    from cartridges.cli import main
+
+    monkeypatch.setattr(cartridges.model, "load_model", lambda path=None, **kw: model)
+    (tmp_path / "doc.txt").write_text("The harbor of Tessel opens at dawn. " * 6)
+    out = tmp_path / "cart.safetensors"
+    args = ["train", str(tmp_path / "doc.txt"), "--out", str(out), "--num-tokens", "16", "--num-samples", "2",
+            "--objective", "next_token", "--no-progress", "--seed", "3"]
+    assert main(args) == 0
+    cart = Cartridge.load(out, model)
+    assert cart.num_tokens == 16 and cart.config["seed"] == 3 and cart.config["objective"] == "next_token"
+    assert "wrote" in capsys.readouterr().err
+
+    class Chatty:  # the chat command's needs, on the tiny model
+        name = "tiny"
+        fingerprint = model.fingerprint
+        core = model.core
+
+        def stream_chat(self, messages, cartridges=(), **kw):
+            assert [p.num_tokens for p in cartridges] == [16, 16]
+            yield "ok"
+
+    monkeypatch.setattr(cartridges.model, "load_model", lambda path=None, **kw: Chatty())
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--cartridge", str(out), "--cartridge", str(out)]) == 0
+    assert "ok" in capsys.readouterr().out
+    out.write_bytes(out.read_bytes()[:-8])
+    assert main(["chat", "--cartridge", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "truncated or damaged" in err or "checksum" in err

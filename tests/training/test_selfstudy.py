@@ -1,0 +1,94 @@
+"""Self-study end to end on a tiny model: synthesis (shared chunk KV = chunk in context),
+training data layout, train() determinism and progress."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cartridges.selfstudy import Corpus, Synthesizer, TrainConfig, synthesize, training_data
+from cartridges.training import train
+
+from .tiny import tiny_model
+
+TEXT = (
+    "The village of Quelmor keeps three bells. The oldest, Brannick, was cast in 1402 by a smith "
+    "named Odo Ferr. The second bell, Lisel, rings only at weddings. The third bell was lost in a "
+    "flood and replaced in 1789 by a bell from the town of Arvand. Every spring the villagers "
+    "count the bells' strokes to decide when to sow barley. "
+) * 2
+
+
+def small_config(**kw) -> TrainConfig:
+    base = dict(
+        num_tokens=24, num_samples=6, chunk_min_tokens=60, chunk_max_tokens=120, synthesis_batch_size=3,
+        max_question_tokens=10, max_answer_tokens=14, top_k=5, epochs=2, batch_size=2, seed=7,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def test_teacher_topk_equals_chunk_in_context(model):
+    config = small_config()
+    corpus = Corpus.from_texts(model.tokenizer, [TEXT])
+    conversations = synthesize(model, corpus, config)
+    assert len(conversations) == 6
+    assert len({id(c.chunk) for c in conversations}) == 2  # one chunk per batch of 3
+    synth = Synthesizer(model, config)
+    for c in conversations[:2]:
+        prompt = synth.prompt(c.chunk, c.question)
+        logits = model.core.forward(torch.tensor([prompt + c.answer]))[0, len(prompt) - 1 : -1]
+        values, ids = torch.log_softmax(logits, -1).topk(config.top_k, -1)
+        assert c.topk_ids.shape == (len(c.answer), config.top_k)
+        torch.testing.assert_close(c.topk_logprobs, values, rtol=1e-4, atol=1e-4)
+        assert torch.equal(c.topk_ids[:, 0], ids[:, 0])
+        assert c.answer[0] == int(ids[0, 0])  # B answers greedily
+
+    data = training_data(model, conversations, config.num_tokens)
+    assert data.topk_ids.shape[0] == sum(len(c.answer) for c in conversations)
+    for row, c in enumerate(conversations):
+        positions = data.target_mask[row].nonzero().squeeze(1)
+        # Each target position predicts the next token of the row: the answer, in order.
+        assert data.tokens[row, positions + 1].tolist() == c.answer
+        assert c.chunk not in model.tokenizer.decode(data.tokens[row].tolist())
+
+
+def test_train_is_deterministic_and_reports_progress(model):
+    seen = []
+    first = train(model, [TEXT], small_config(), progress=False, on_progress=lambda *a: seen.append(a))
+    again = train(model, [TEXT], small_config(), progress=False)
+    other = train(model, [TEXT], small_config(seed=8), progress=False)
+    assert first == again
+    assert first != other
+    assert first.num_tokens == 24 and first.fingerprint == model.fingerprint
+    assert first.config["seed"] == 7 and first.stats["steps"] == 6
+    stages = [s[0] for s in seen]
+    assert stages[:2] == ["synthesis", "synthesis"] and stages[2:] == ["training"] * 6
+    assert seen[-1][1:3] == (6, 6) and seen[-1][3] == pytest.approx(first.stats["losses"][-1])
+
+
+def test_next_token_objective_and_resume(model, tmp_path):
+    config = small_config(objective="next_token", init="text", epochs=3, checkpoint_every=1)
+    full = train(model, TEXT, config, progress=False)
+    assert full.stats["num_target_tokens"] == 6 * (24 - 1)
+    assert full.stats["losses"][-1] < full.stats["losses"][0]
+    ckpt = tmp_path / "run.ckpt"
+    stopped = []
+
+    def stop_at_four(stage, done, total, loss):
+        if stage == "training" and done == 4:
+            token.cancel()
+
+    import cartridges_core
+
+    token = cartridges_core.CancelToken()
+    part = train(model, TEXT, config, progress=False, checkpoint=ckpt, cancel=token, on_progress=stop_at_four)
+    assert part.stats["cancelled"] and part.stats["steps"] == 4
+    resumed = train(model, TEXT, config, progress=False, checkpoint=ckpt, resume=True, on_progress=lambda *a: stopped.append(a))
+    assert resumed == full
+    assert [a[1] for a in stopped] == [5, 6, 7, 8, 9]

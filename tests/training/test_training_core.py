@@ -1,0 +1,169 @@
+"""The C++ training core against plain PyTorch: loss and gradient, Adam, and the loop
+(loss goes down, resume equals an uninterrupted run, cancellation)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import cartridges_core
+from cartridges.selfstudy import TrainConfig, Corpus
+from cartridges.training import init_params
+
+from . import reference
+from .tiny import tiny_model
+
+
+def random_data(vocab: int, n: int = 5, seq: int = 14, k: int = 4, seed: int = 0) -> cartridges_core.TrainingData:
+    """Right-padded rows of different lengths, targets on a suffix of each row, a random
+    teacher top-k (log-probabilities of a softmax, so not summing to 1 over the k)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(vocab, (n, seq), generator=g)
+    lengths = torch.tensor([seq - (i % 4) for i in range(n)])
+    mask = torch.zeros(n, seq, dtype=torch.bool)
+    for i in range(n):
+        mask[i, 3 : int(lengths[i]) - 1] = True
+        tokens[i, int(lengths[i]) :] = 0
+    t = int(mask.sum())
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(t)])
+    logprobs = torch.log_softmax(torch.randn(t, vocab, generator=g), -1).gather(1, ids).contiguous()
+    return cartridges_core.TrainingData(tokens, lengths, mask, ids, logprobs)
+
+
+def prefix_params(model, n: int = 6, frozen: int = 1) -> cartridges_core.CartridgeParams:
+    corpus = Corpus(list(range(10, 10 + n)))
+    return init_params(model, corpus, TrainConfig(num_tokens=n, num_frozen=frozen))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def test_loss_and_gradient_match_plain_pytorch(model):
+    data = random_data(model.config.vocab_size)
+    params = prefix_params(model)
+    rows = [3, 0, 4, 1]
+    loss, count = cartridges_core.distillation_loss_sum(model.core, params, data, rows)
+    assert count == int(data.target_mask[rows].sum())
+    loss.backward()
+
+    ref_trainable = [t.detach().clone().requires_grad_(True) for t in (*params.trainable_keys, *params.trainable_values)]
+    L = model.config.num_layers
+    keys = [torch.cat([f, t], 1) for f, t in zip(params.frozen_keys, ref_trainable[:L])]
+    values = [torch.cat([f, t], 1) for f, t in zip(params.frozen_values, ref_trainable[L:])]
+    ref_loss = reference.distillation_loss_sum(model.weights, model.config, data, rows, keys, values)
+    ref_loss.backward()
+
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-5)
+    for got, want in zip((*params.trainable_keys, *params.trainable_values), ref_trainable):
+        assert got.grad is not None and got.grad.abs().sum() > 0
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-6)
+    # The frozen token gets no gradient: it is not a parameter at all.
+    assert all(not f.requires_grad for f in params.frozen_keys)
+
+
+def test_adam_matches_torch_optim():
+    g = torch.Generator().manual_seed(1)
+    ours = [torch.randn(3, 5, 4, generator=g).requires_grad_(True) for _ in range(2)]
+    theirs = [p.detach().clone().requires_grad_(True) for p in ours]
+    adam = cartridges_core.Adam(ours, lr=2e-2)
+    torch_adam = torch.optim.Adam(theirs, lr=2e-2)
+    for _ in range(5):
+        grads = [torch.randn(p.shape, generator=g) for p in ours]
+        for p, q, grad in zip(ours, theirs, grads):
+            p.grad, q.grad = grad.clone(), grad.clone()
+        adam.step(2e-2)
+        torch_adam.step()
+        adam.zero_grad()
+    assert adam.steps == 5
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-7)
+        assert p.grad is None
+
+
+def options(**kw) -> cartridges_core.TrainOptions:
+    o = cartridges_core.TrainOptions()
+    for k, v in kw.items():
+        setattr(o, k, v)
+    return o
+
+
+def snapshot(params) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in (*params.trainable_keys, *params.trainable_values)]
+
+
+def test_loss_decreases_and_frozen_token_stays(model):
+    data = random_data(model.config.vocab_size, n=6)
+    params = prefix_params(model)
+    frozen = [t.clone() for t in params.frozen_keys]
+    result = cartridges_core.train_cartridge(model.core, params, data, options(epochs=15, batch_size=3, grad_accum=2))
+    assert result.steps == 15 and not result.cancelled
+    # Each step sees the whole data set (6 = 3 x 2 accumulated): the loss goes down every step.
+    assert all(b < a for a, b in zip(result.losses, result.losses[1:])), result.losses
+    assert result.losses[-1] < 0.9 * result.losses[0], result.losses
+    assert all(torch.equal(a, b) for a, b in zip(frozen, params.frozen_keys))
+
+
+def test_resume_equals_uninterrupted_run(model, tmp_path):
+    data = random_data(model.config.vocab_size, n=7)
+    kw = dict(epochs=3, batch_size=2, grad_accum=2, cosine=True, seed=5)
+    full = prefix_params(model)
+    cartridges_core.train_cartridge(model.core, full, data, options(**kw))
+
+    path = str(tmp_path / "ckpt.pt")
+    part = prefix_params(model)
+    stopped = cartridges_core.train_cartridge(
+        model.core, part, data, options(checkpoint_path=path, checkpoint_every=2, **kw), lambda p: p.step < 4
+    )
+    assert stopped.cancelled and stopped.steps == 4
+    resumed = prefix_params(model)  # a fresh start: everything comes from the checkpoint
+    result = cartridges_core.train_cartridge(
+        model.core, resumed, data, options(checkpoint_path=path, checkpoint_every=2, resume=True, **kw)
+    )
+    assert result.steps == options(**kw).total_steps(7) == 6 and len(result.losses) == 2
+    for a, b in zip(snapshot(full), snapshot(resumed)):
+        assert torch.equal(a, b)
+    # torch.load reads the checkpoint too.
+    saved = torch.load(path, weights_only=True)
+    assert int(dict(zip(saved[::2], saved[1::2]))["step"]) == 6
+
+
+def test_cancel_stops_within_a_step(model):
+    data = random_data(model.config.vocab_size, n=8)
+    token = cartridges_core.CancelToken()
+
+    def on_progress(p):
+        if p.step == 2:
+            token.cancel()  # the next step's first micro-batch sees it
+
+    params = prefix_params(model)
+    result = cartridges_core.train_cartridge(
+        model.core, params, data, options(epochs=5, batch_size=1, grad_accum=4), on_progress, token
+    )
+    assert result.cancelled and result.steps == 2 and token.cancelled
+
+    # From another thread, while the C++ loop runs with the GIL released.
+    token = cartridges_core.CancelToken()
+    big = random_data(model.config.vocab_size, n=8, seq=64)
+    out = {}
+    worker = threading.Thread(
+        target=lambda: out.update(r=cartridges_core.train_cartridge(
+            model.core, prefix_params(model), big, options(epochs=10_000, batch_size=1), None, token))
+    )
+    worker.start()
+    time.sleep(0.3)
+    token.cancel()
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    assert out["r"].cancelled and 0 < out["r"].steps < 80_000
+
+
+def test_bad_training_data_is_refused(model):
+    data = random_data(model.config.vocab_size)
+    bad = cartridges_core.TrainingData(data.tokens, data.lengths, data.target_mask, data.topk_ids[1:], data.topk_logprobs[1:])
+    with pytest.raises(RuntimeError, match="topk_ids"):
+        cartridges_core.train_cartridge(model.core, prefix_params(model), bad, options())
