@@ -125,6 +125,8 @@ def main() -> int:
     parser.add_argument("--max-question", type=int, default=32)
     parser.add_argument("--max-answer", type=int, default=80)
     parser.add_argument("--lr", type=float, default=2e-2)
+    parser.add_argument("--lrs", type=float, nargs="+", metavar="LR",
+                        help="train one cartridge per learning rate on the same synthesized data (overrides --lr)")
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--objective", default="distill", choices=["distill", "next_token"])
@@ -150,25 +152,37 @@ def main() -> int:
         max_question_tokens=args.max_question, max_answer_tokens=args.max_answer, lr=args.lr,
         epochs=args.epochs, batch_size=args.batch_size, objective=args.objective, init=args.init, seed=args.seed,
     )
-    cart = cartridges.train(model, [document], config, progress=True)
-    if args.save:
-        cart.save(args.save)
-    results = {
-        "config": config.to_dict(),
-        "document_tokens": doc_tokens,
-        "kv_bytes_in_context": doc_tokens * kv_per_token,
-        "kv_bytes_cartridge": cart.nbytes,
-        "synthesis_s": cart.stats["synthesis_s"],
-        "training_s": cart.stats["training_s"],
-        "losses_first_last": [cart.stats["losses"][0], cart.stats["losses"][-1]],
-        "steps": cart.stats["steps"],
-    }
-    for condition, prefixes in (("no_context", None), ("in_context", None), ("cartridge", [cart.prefix(model)])):
-        results[condition] = evaluate(model, questions, condition, document, prefixes)
-        print(condition, {k: v for k, v in results[condition].items() if k != "examples"}, file=sys.stderr)
-    a, b, cc = (results[k]["loglik_per_token"] for k in ("no_context", "in_context", "cartridge"))
-    results["recovered_loglik_gain"] = (cc - a) / (b - a) if b != a else float("nan")
-    results["kv_ratio"] = results["kv_bytes_in_context"] / results["kv_bytes_cartridge"]
+    baselines = {cond: evaluate(model, questions, cond, document, None) for cond in ("no_context", "in_context")}
+    for cond, figures in baselines.items():
+        print(cond, {k: v for k, v in figures.items() if k != "examples"}, file=sys.stderr)
+    runs = []
+    data = None  # synthesized once, reused for every learning rate
+    for lr in args.lrs or [args.lr]:
+        config.lr = lr
+        cart = cartridges.train(model, [document], config, progress=True, data=data)
+        synthesis_s = cart.stats["synthesis_s"] if data is None else runs[0]["synthesis_s"]
+        data = cart.stats["data"]
+        if args.save:
+            cart.save(args.save if len(args.lrs or []) < 2 else f"{args.save}.lr{lr:g}")
+        results = {
+            "config": config.to_dict(),
+            "document_tokens": doc_tokens,
+            "kv_bytes_in_context": doc_tokens * kv_per_token,
+            "kv_bytes_cartridge": cart.nbytes,
+            "synthesis_s": synthesis_s,
+            "training_s": cart.stats["training_s"],
+            "losses_first_last": [cart.stats["losses"][0], cart.stats["losses"][-1]],
+            "steps": cart.stats["steps"],
+            **baselines,
+            "cartridge": evaluate(model, questions, "cartridge", document, [cart.prefix(model)]),
+        }
+        print(f"lr {lr:g} cartridge", {k: v for k, v in results["cartridge"].items() if k != "examples"},
+              file=sys.stderr)
+        a, b, cc = (results[k]["loglik_per_token"] for k in ("no_context", "in_context", "cartridge"))
+        results["recovered_loglik_gain"] = (cc - a) / (b - a) if b != a else float("nan")
+        results["kv_ratio"] = results["kv_bytes_in_context"] / results["kv_bytes_cartridge"]
+        runs.append(results)
+    results = runs[0] if len(runs) == 1 else {"runs": runs}
     print(json.dumps(results, indent=1))
     if args.json:
         with open(args.json, "w") as f:

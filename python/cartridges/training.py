@@ -31,6 +31,22 @@ def init_params(model: Any, corpus: Corpus, config: TrainConfig) -> cartridges_c
     return cartridges_core.CartridgeParams(prefix, config.num_frozen)
 
 
+def prepare_data(
+    model: Any,
+    corpus: Corpus,
+    config: TrainConfig,
+    prefix_tokens: int,
+    on_progress: Callable[[str, int, int], object] | None = None,
+) -> cartridges_core.TrainingData:
+    """The training data for `config.objective`: self-study conversations with the teacher's
+    top-k (distill), or windows of the corpus (next_token)."""
+    if config.objective == "distill":
+        report = (lambda done, total: on_progress("synthesis", done, total)) if on_progress else None
+        conversations = synthesize(model, corpus, config, report)
+        return training_data(model, conversations, prefix_tokens)
+    return next_token_data(corpus, config, core_model(model).config.max_position_embeddings)
+
+
 class _Bar:
     """A tqdm bar per stage when `enabled` and attached to a terminal or notebook."""
 
@@ -73,6 +89,7 @@ def train(
     resume: bool = False,
     cancel: cartridges_core.CancelToken | None = None,
     on_progress: Callable[[str, int, int, float | None], object] | None = None,
+    data: cartridges_core.TrainingData | None = None,
 ) -> Cartridge:
     """Train a cartridge for `texts` on `model` by self-study.
 
@@ -81,7 +98,9 @@ def train(
     `checkpoint`, the synthesized data is kept beside it (CHECKPOINT.data.pt) and training state
     is written every `config.checkpoint_every` steps and at the end; `resume` continues from them.
     `cancel.cancel()` stops training within a step; the cartridge is then the last completed step's.
-    The returned cartridge's `stats` holds losses and wall times."""
+    `data` reuses training data made earlier (`prepare_data`, or `stats["data"]` of an earlier
+    cartridge) instead of synthesizing it again, e.g. to compare learning rates.
+    The returned cartridge's `stats` holds losses, wall times and the training data."""
     config = config or TrainConfig()
     if isinstance(texts, str):
         texts = [texts]
@@ -95,13 +114,8 @@ def train(
         if resume and data_path is not None and data_path.exists():
             saved = torch.load(data_path, weights_only=True)
             data = cartridges_core.TrainingData(**saved)
-        elif config.objective == "distill":
-            conversations = synthesize(
-                model, corpus, config, lambda done, total: bar.update("synthesis", done, total)
-            )
-            data = training_data(model, conversations, params.num_tokens)
-        else:
-            data = next_token_data(corpus, config, core.config.max_position_embeddings)
+        elif data is None:
+            data = prepare_data(model, corpus, config, params.num_tokens, bar.update)
         if data_path is not None and not (resume and data_path.exists()):
             names = ("tokens", "lengths", "target_mask", "topk_ids", "topk_logprobs")
             torch.save({n: getattr(data, n) for n in names}, data_path)
@@ -135,5 +149,6 @@ def train(
         "num_target_tokens": int(data.topk_ids.shape[0]),
         "synthesis_s": t1 - t0,
         "training_s": t2 - t1,
+        "data": data,
     }
     return cartridge
