@@ -46,15 +46,8 @@ class FileObject(FileListEntry):
 
     @classmethod
     def of(cls, record: Any) -> FileObject:
-        return cls(
-            id=record.id,
-            bytes=record.bytes,
-            created_at=record.created_at,
-            filename=record.filename,
-            purpose=record.purpose,
-            status=record.status,
-            status_details=record.status_details,
-        )
+        entry = FileListEntry.of(record).model_dump()
+        return cls(**entry, status=record.status, status_details=record.status_details)
 
 
 class FileList(BaseModel):
