@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -64,11 +65,16 @@ def test_generation_releases_the_gil(model):
     thread = threading.Thread(target=tick)
     thread.start()
     try:
-        model.generate([[1] * 50] * 4, max_new_tokens=60, stop_token_ids=[])
+        before = len(ticks)
+        start = time.perf_counter()
+        model.generate([[1] * 50] * 4, max_new_tokens=200, stop_token_ids=[])
+        elapsed = time.perf_counter() - start
+        during = len(ticks) - before
     finally:
         stop.set()
         thread.join()
-    assert len(ticks) > 5
+    # The ticker waits 1 ms between ticks: with the GIL held it could not tick at all.
+    assert during >= min(3, int(elapsed / 0.002)), (during, elapsed)
 
 
 def test_per_prompt_prefixes(model):
