@@ -84,6 +84,11 @@ def answer_loglik(model, prompts: list[list[int]], answers: list[list[int]], pre
     return out
 
 
+def normalize(text: str) -> str:
+    """Lower case, single spaces, no surrounding punctuation: the form exact match compares."""
+    return " ".join(text.lower().split()).strip(" .,;:!?\"'")
+
+
 def evaluate(model, questions, condition: str, document: str, prefixes) -> dict:
     tok = model.tokenizer
     prompts, answers = [], []
@@ -106,10 +111,12 @@ def evaluate(model, questions, condition: str, document: str, prefixes) -> dict:
         batch = prompts[i : i + 8]
         replies += model.generate(batch, max_new_tokens=24, prefixes=prefixes or None)
     matches = [gold.lower() in r.text.lower() for (_, gold), r in zip(questions, replies)]
+    exact = [normalize(gold) == normalize(r.text) for (_, gold), r in zip(questions, replies)]
     return {
         "loglik_sum": sum(loglik) / len(loglik),
         "loglik_per_token": sum(loglik) / sum(len(a) for a in answers),
         "match": sum(matches) / len(matches),
+        "exact_match": sum(exact) / len(exact),
         "eval_s": time.perf_counter() - t0,
         "examples": [(q, gold, r.text) for (q, gold), r in list(zip(questions, replies))[:3]],
     }
