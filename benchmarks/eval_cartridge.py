@@ -21,7 +21,9 @@ import time
 import torch
 
 import cartridges
-from cartridges.selfstudy import TrainConfig
+from cartridges.cartridge import Cartridge
+from cartridges.selfstudy import Corpus, TrainConfig
+from cartridges.training import init_params
 from cartridges.selfstudy.prompts import SYSTEM_PROMPT
 from cartridges.selfstudy.synthesize import common_prefix_len
 
@@ -125,7 +127,7 @@ def evaluate(model, questions, condition: str, document: str, prefixes) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-tokens", type=int, default=256)
-    parser.add_argument("--num-samples", type=int, default=64)
+    parser.add_argument("--num-samples", type=int, default=256)
     parser.add_argument("--chunk-min", type=int, default=512)
     parser.add_argument("--chunk-max", type=int, default=1024)
     parser.add_argument("--synthesis-batch", type=int, default=16)
@@ -134,7 +136,7 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=2e-2)
     parser.add_argument("--lrs", type=float, nargs="+", metavar="LR",
                         help="train one cartridge per learning rate on the same synthesized data (overrides --lr)")
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--objective", default="distill", choices=["distill", "next_token"])
     parser.add_argument("--init", default="corpus", choices=["corpus", "text"])
@@ -160,6 +162,9 @@ def main() -> int:
         epochs=args.epochs, batch_size=args.batch_size, objective=args.objective, init=args.init, seed=args.seed,
     )
     baselines = {cond: evaluate(model, questions, cond, document, None) for cond in ("no_context", "in_context")}
+    # The untrained cartridge: what initialization alone gives.
+    init = Cartridge.from_params(init_params(model, Corpus.from_texts(model.tokenizer, [document]), config), "", {})
+    baselines["init_only"] = evaluate(model, questions, "cartridge", document, [init.prefix(model)])
     for cond, figures in baselines.items():
         print(cond, {k: v for k, v in figures.items() if k != "examples"}, file=sys.stderr)
     runs = []
