@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,8 +25,8 @@ import cartridges_core as core
 from .models import ChatTokenizer, LoadedModel, ModelConfig, ModelLoadError, load_weights
 from .models.tokenizer import Message
 
-# One prefix (a cartridge's KV) or several, composed in order in front of the prompt.
-Prefixes = Sequence[core.KVPrefix]
+# Cartridges (`Cartridge` objects or their KV prefixes), composed in order in front of the prompt.
+Prefixes = Sequence[Any]
 
 
 @dataclass
@@ -102,7 +103,8 @@ class Model:
     ) -> list[Completion]:
         """Generate for all prompts as one batch.
 
-        `prefixes`: cartridge KVs in front of every prompt, or one list per prompt.
+        `prefixes`: cartridges (`Cartridge` objects or KV prefixes) in front of every prompt, or
+        one list per prompt.
         `on_token(i, token)` is called as each token is produced; returning False cancels
         prompt i. Stops at the tokenizer's end-of-turn ids unless `stop_token_ids` is given.
         """
@@ -111,7 +113,7 @@ class Model:
             temperature=temperature, top_p=top_p, top_k=top_k, seed=-1 if seed is None else seed,
             max_new_tokens=max_new_tokens, stop_token_ids=stops,
         )
-        per_prompt = _per_prompt_prefixes(prefixes, len(prompts))
+        per_prompt = _per_prompt_prefixes(self, prefixes, len(prompts))
         callback = None
         if on_token is not None:
             callback = lambda i, t: on_token(i, t) is not False  # noqa: E731 - None means go on
@@ -192,15 +194,24 @@ def load_model(path: str | os.PathLike[str] | None = None, *, device: str = "cpu
     return Model.from_loaded(load_weights(path), device=device, dtype=dtype)
 
 
-def _per_prompt_prefixes(prefixes, count: int) -> list[list[core.KVPrefix]] | None:
+def _per_prompt_prefixes(model: Model, prefixes, count: int) -> list[list[core.KVPrefix]] | None:
     if not prefixes:
         return None
-    if isinstance(prefixes[0], core.KVPrefix):
-        shared = list(prefixes)
+    if _is_prefix(prefixes[0]):
+        shared = [_as_prefix(model, p) for p in prefixes]
         return [shared] * count
     if len(prefixes) != count:
         raise ValueError(f"got {len(prefixes)} prefix lists for {count} prompts")
-    return [list(p) for p in prefixes]
+    return [[_as_prefix(model, p) for p in row] for row in prefixes]
+
+
+def _is_prefix(item) -> bool:
+    return isinstance(item, core.KVPrefix) or hasattr(item, "prefix")
+
+
+def _as_prefix(model: Model, item) -> core.KVPrefix:
+    """A KV prefix as is, or a `Cartridge`'s prefix for this model (made once, then shared)."""
+    return item if isinstance(item, core.KVPrefix) else item.prefix(model)
 
 
 def _fingerprint(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> str:

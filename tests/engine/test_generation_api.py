@@ -93,3 +93,16 @@ def test_per_prompt_prefixes(model):
 def test_context_overflow_is_a_clear_error(model):
     with pytest.raises(RuntimeError, match="context"):
         model.generate([[1] * 500], max_new_tokens=100)
+
+
+def test_cartridge_objects_are_accepted_as_prefixes(model):
+    import cartridges_core
+
+    from cartridges import Cartridge
+
+    doc = torch.randint(VOCAB, (8,), generator=torch.Generator().manual_seed(1))
+    prefix = model.core.prefix_from_tokens(doc)
+    cart = Cartridge.from_params(cartridges_core.CartridgeParams(prefix, 1))
+    kwargs = dict(max_new_tokens=8, stop_token_ids=[])
+    with_object = model.generate([[5, 6, 7]], prefixes=[cart], **kwargs)[0].tokens
+    assert with_object == model.generate([doc.tolist() + [5, 6, 7]], **kwargs)[0].tokens
