@@ -77,7 +77,6 @@ class WeightTable {
                 shape);
     return it->second.to(device_, dtype_).contiguous();
   }
-  bool has(const std::string& name) const { return weights_.count(name) > 0; }
 
  private:
   const std::unordered_map<std::string, at::Tensor>& weights_;

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-
-from . import add_model_argument, load_model_or_report
 from dataclasses import fields
 from pathlib import Path
+
+from . import add_model_argument, load_model_or_report
 
 
 def _options():
