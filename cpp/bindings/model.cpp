@@ -1,0 +1,121 @@
+// Python bindings: model.
+#include <pybind11/stl.h>
+
+#include "cartridges/model.h"
+#include "common.h"
+
+namespace cartridges::bindings {
+
+namespace {
+
+ForwardBatch make_batch(const at::Tensor& tokens, std::optional<std::vector<int64_t>> num_new,
+                        std::optional<std::vector<PyPrefixList>> prefixes) {
+  ForwardBatch batch;
+  batch.tokens = tokens;
+  if (num_new) batch.num_new = *num_new;
+  if (prefixes) {
+    for (const auto& row : *prefixes) batch.prefixes.push_back(to_const(row));
+  }
+  return batch;
+}
+
+}  // namespace
+
+void bind_model(py::module_& m) {
+
+  py::class_<LlamaConfig>(m, "LlamaConfig")
+      .def(py::init<>())
+      .def_readwrite("vocab_size", &LlamaConfig::vocab_size)
+      .def_readwrite("hidden_size", &LlamaConfig::hidden_size)
+      .def_readwrite("intermediate_size", &LlamaConfig::intermediate_size)
+      .def_readwrite("num_layers", &LlamaConfig::num_layers)
+      .def_readwrite("num_heads", &LlamaConfig::num_heads)
+      .def_readwrite("num_kv_heads", &LlamaConfig::num_kv_heads)
+      .def_readwrite("head_dim", &LlamaConfig::head_dim)
+      .def_readwrite("rms_norm_eps", &LlamaConfig::rms_norm_eps)
+      .def_readwrite("rope_theta", &LlamaConfig::rope_theta)
+      .def_readwrite("rope_type", &LlamaConfig::rope_type)
+      .def_readwrite("rope_factor", &LlamaConfig::rope_factor)
+      .def_readwrite("rope_low_freq_factor", &LlamaConfig::rope_low_freq_factor)
+      .def_readwrite("rope_high_freq_factor", &LlamaConfig::rope_high_freq_factor)
+      .def_readwrite("rope_original_max_position_embeddings", &LlamaConfig::rope_original_max_position_embeddings)
+      .def_readwrite("attention_bias", &LlamaConfig::attention_bias)
+      .def_readwrite("qk_norm", &LlamaConfig::qk_norm)
+      .def_readwrite("tie_word_embeddings", &LlamaConfig::tie_word_embeddings)
+      .def_readwrite("max_position_embeddings", &LlamaConfig::max_position_embeddings)
+      .def("validate", &LlamaConfig::validate);
+
+  py::class_<KVPrefix, std::shared_ptr<KVPrefix>>(m, "KVPrefix",
+                                                  "Per-layer keys/values [H_kv, P, D]; keys after RoPE at 0..P-1.")
+      .def(py::init([](std::vector<at::Tensor> keys, std::vector<at::Tensor> values) {
+             TORCH_CHECK(keys.size() == values.size() && !keys.empty(), "KVPrefix: one key and one value per layer");
+             for (size_t l = 0; l < keys.size(); ++l) {
+               TORCH_CHECK(keys[l].dim() == 3 && keys[l].sizes() == values[l].sizes(),
+                           "KVPrefix: layer ", l, " keys/values must both be [H_kv, P, D]");
+               TORCH_CHECK(keys[l].size(1) == keys[0].size(1), "KVPrefix: every layer must have the same length");
+             }
+             return std::make_shared<KVPrefix>(KVPrefix{std::move(keys), std::move(values)});
+           }),
+           py::arg("keys"), py::arg("values"))
+      .def_readonly("keys", &KVPrefix::keys)
+      .def_readonly("values", &KVPrefix::values)
+      .def_property_readonly("num_tokens", &KVPrefix::num_tokens)
+      .def_property_readonly("nbytes", &KVPrefix::nbytes);
+
+  py::class_<KVCache>(m, "KVCache")
+      .def_property_readonly("batch", &KVCache::batch)
+      .def_property_readonly("capacity", &KVCache::capacity)
+      .def_readonly("lengths", &KVCache::lengths)
+      .def_readonly("keys", &KVCache::keys)
+      .def_readonly("values", &KVCache::values)
+      .def("keep_rows", &KVCache::keep_rows);
+
+  py::class_<LlamaModel, std::shared_ptr<LlamaModel>>(m, "LlamaModel")
+      .def(py::init([](const LlamaConfig& config, const std::unordered_map<std::string, at::Tensor>& weights,
+                       const std::string& device, const std::string& dtype,
+                       const std::unordered_map<std::string, std::pair<std::string, at::Tensor>>& quantized) {
+             std::unordered_map<std::string, QuantizedWeight> blocks;
+             for (const auto& [name, entry] : quantized) blocks[name] = QuantizedWeight{entry.first, entry.second};
+             py::gil_scoped_release release;
+             return std::make_shared<LlamaModel>(config, weights, at::Device(device), parse_dtype(dtype), blocks);
+           }),
+           py::arg("config"), py::arg("weights"), py::arg("device") = "cpu", py::arg("dtype") = "float32",
+           py::arg("quantized") = std::unordered_map<std::string, std::pair<std::string, at::Tensor>>{},
+           "weights: float32 tensors by Hugging Face name; quantized: name -> (GGUF block format, uint8 "
+           "[rows, row bytes]) for the CPU decode path.")
+      .def_property_readonly("config", &LlamaModel::config)
+      .def_property_readonly("device", [](const LlamaModel& m) { return m.device().str(); })
+      .def_property_readonly("dtype", [](const LlamaModel& m) { return dtype_name(m.dtype()); })
+      .def("new_cache", &LlamaModel::new_cache, py::arg("batch"), py::arg("capacity"))
+      .def(
+          "forward",
+          [](const LlamaModel& m, const at::Tensor& tokens, std::optional<std::vector<int64_t>> num_new,
+             KVCache* cache, std::optional<std::vector<PyPrefixList>> prefixes, bool last_only) {
+            auto batch = make_batch(tokens, std::move(num_new), std::move(prefixes));
+            py::gil_scoped_release release;
+            return last_only ? m.forward_last(batch, cache) : m.forward(batch, cache);
+          },
+          py::arg("tokens"), py::arg("num_new") = py::none(), py::arg("cache") = nullptr,
+          py::arg("prefixes") = py::none(), py::arg("last_only") = false,
+          "Logits [B, S, V] (or [B, V] at each row's last token with last_only) for tokens [B, S].")
+      .def(
+          "forward_hidden",
+          [](const LlamaModel& m, const at::Tensor& tokens, std::optional<std::vector<int64_t>> num_new,
+             KVCache* cache, std::optional<std::vector<PyPrefixList>> prefixes) {
+            auto batch = make_batch(tokens, std::move(num_new), std::move(prefixes));
+            py::gil_scoped_release release;
+            return m.forward_hidden(batch, cache);
+          },
+          py::arg("tokens"), py::arg("num_new") = py::none(), py::arg("cache") = nullptr,
+          py::arg("prefixes") = py::none())
+      .def("logits", &LlamaModel::logits, py::arg("hidden"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "prefix_from_tokens",
+          [](const LlamaModel& m, const at::Tensor& tokens) {
+            py::gil_scoped_release release;
+            return std::make_shared<KVPrefix>(m.prefix_from_tokens(tokens));
+          },
+          py::arg("tokens"));
+}
+
+}  // namespace cartridges::bindings

@@ -1,0 +1,128 @@
+// Python bindings: store.
+#include <pybind11/stl.h>
+
+#include "cartridges/store.h"
+#include "common.h"
+
+namespace cartridges::bindings {
+
+void bind_store(py::module_& m) {
+  // Errors: StoreError (RuntimeError) and its subclasses NotFoundError, ConflictError, CorruptError.
+  // Translators run newest first, so the subclasses are registered after their base.
+  auto& store_error = py::register_exception<StoreError>(m, "StoreError", PyExc_RuntimeError);
+  py::register_exception<NotFoundError>(m, "NotFoundError", store_error.ptr());
+  py::register_exception<ConflictError>(m, "ConflictError", store_error.ptr());
+  py::register_exception<CorruptError>(m, "CorruptError", store_error.ptr());
+
+  py::class_<Owner>(m, "Owner", "Who is asking: a user, or the admin (acts on every user's objects).")
+      .def(py::init([](int64_t user_id, bool admin) { return Owner{user_id, admin}; }), py::arg("user_id"),
+           py::arg("admin") = false)
+      .def_readonly("user_id", &Owner::user_id)
+      .def_readonly("admin", &Owner::admin)
+      .def("__repr__", [](const Owner& o) {
+        return "Owner(user_id=" + std::to_string(o.user_id) + (o.admin ? ", admin=True)" : ")");
+      });
+
+  py::class_<User>(m, "User")
+      .def_readonly("id", &User::id)
+      .def_readonly("name", &User::name)
+      .def_readonly("created_at", &User::created_at);
+
+  py::class_<ApiKeyInfo>(m, "ApiKeyInfo")
+      .def_readonly("id", &ApiKeyInfo::id)
+      .def_readonly("user_id", &ApiKeyInfo::user_id)
+      .def_readonly("user_name", &ApiKeyInfo::user_name)
+      .def_readonly("hint", &ApiKeyInfo::hint)
+      .def_readonly("created_at", &ApiKeyInfo::created_at)
+      .def_readonly("revoked_at", &ApiKeyInfo::revoked_at);
+
+  py::class_<FileRecord>(m, "FileRecord")
+      .def_readonly("id", &FileRecord::id)
+      .def_readonly("owner_id", &FileRecord::owner_id)
+      .def_readonly("filename", &FileRecord::filename)
+      .def_readonly("purpose", &FileRecord::purpose)
+      .def_readonly("bytes", &FileRecord::bytes)
+      .def_readonly("created_at", &FileRecord::created_at)
+      .def_readonly("status", &FileRecord::status)
+      .def_readonly("status_details", &FileRecord::status_details);
+
+  py::class_<FilePage>(m, "FilePage")
+      .def_readonly("data", &FilePage::data)
+      .def_readonly("has_more", &FilePage::has_more);
+
+  py::class_<BlobWriter>(m, "BlobWriter", "A blob being written to a temporary file; Store.create_file commits it.")
+      .def(
+          "write",
+          [](BlobWriter& w, py::buffer data) {
+            py::buffer_info info = data.request();
+            if (info.ndim > 1 || (info.ndim == 1 && info.strides[0] != info.itemsize)) {
+              throw py::value_error("BlobWriter.write: a contiguous bytes-like object");
+            }
+            py::gil_scoped_release release;
+            w.write(static_cast<const char*>(info.ptr), static_cast<size_t>(info.size * info.itemsize));
+          },
+          py::arg("data"))
+      .def("abort", &BlobWriter::abort, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("bytes", &BlobWriter::bytes)
+      .def_property_readonly("open", &BlobWriter::open);
+
+  py::class_<Store, std::shared_ptr<Store>>(m, "Store", "SQLite metadata + blob directory; every call takes the owner.")
+      .def(py::init([](const std::string& data_dir, bool sync, bool check_at_open) {
+             StoreOptions options;
+             options.data_dir = data_dir;
+             options.sync = sync;
+             options.check_at_open = check_at_open;
+             py::gil_scoped_release release;
+             return std::make_shared<Store>(options);
+           }),
+           py::arg("data_dir"), py::arg("sync") = true, py::arg("check_at_open") = true)
+      .def("close", &Store::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("data_dir", [](const Store& s) { return s.options().data_dir; })
+      .def_property_readonly("schema_version", &Store::schema_version)
+      .def_property_readonly("swept_at_open", &Store::swept_at_open)
+      .def("create_user", &Store::create_user, py::arg("name"), py::call_guard<py::gil_scoped_release>())
+      .def("find_user", &Store::find_user, py::arg("name"), py::call_guard<py::gil_scoped_release>())
+      .def("list_users", &Store::list_users, py::call_guard<py::gil_scoped_release>())
+      .def("add_key", &Store::add_key, py::arg("user_id"), py::arg("key_hash"), py::arg("hint"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("user_for_key", &Store::user_for_key, py::arg("key_hash"), py::call_guard<py::gil_scoped_release>())
+      .def("list_keys", &Store::list_keys, py::call_guard<py::gil_scoped_release>())
+      .def("revoke_key", &Store::revoke_key, py::arg("key_id"), py::call_guard<py::gil_scoped_release>())
+      .def("begin_blob", &Store::begin_blob, py::call_guard<py::gil_scoped_release>())
+      .def("create_file", &Store::create_file, py::arg("owner"), py::arg("content"), py::arg("filename"),
+           py::arg("purpose"), py::call_guard<py::gil_scoped_release>())
+      .def("get_file", &Store::get_file, py::arg("owner"), py::arg("file_id"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "list_files",
+          [](Store& s, const Owner& owner, std::optional<std::string> purpose, std::optional<std::string> status,
+             std::optional<std::string> after, int64_t limit, bool descending) {
+            FileQuery q{std::move(purpose), std::move(status), std::move(after), limit, descending};
+            py::gil_scoped_release release;
+            return s.list_files(owner, q);
+          },
+          py::arg("owner"), py::kw_only(), py::arg("purpose") = py::none(), py::arg("status") = py::none(),
+          py::arg("after") = py::none(), py::arg("limit") = 10000, py::arg("descending") = true)
+      .def("delete_file", &Store::delete_file, py::arg("owner"), py::arg("file_id"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_file_processed", &Store::set_file_processed, py::arg("owner"), py::arg("file_id"),
+           py::arg("text") = py::none(), py::call_guard<py::gil_scoped_release>())
+      .def("set_file_error", &Store::set_file_error, py::arg("owner"), py::arg("file_id"), py::arg("details"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("file_content_path", &Store::file_content_path, py::arg("owner"), py::arg("file_id"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("verify_file", &Store::verify_file, py::arg("owner"), py::arg("file_id"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "file_text",
+          [](Store& s, const Owner& owner, const std::string& id) {
+            std::string text;
+            {
+              py::gil_scoped_release release;
+              text = s.file_text(owner, id);
+            }
+            return py::str(text);  // stored text is UTF-8
+          },
+          py::arg("owner"), py::arg("file_id"));
+}
+
+}  // namespace cartridges::bindings

@@ -1,0 +1,119 @@
+// Python bindings: training.
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+
+#include "cartridges/cartridge.h"
+#include "common.h"
+
+namespace cartridges::bindings {
+
+void bind_training(py::module_& m) {
+  py::class_<CartridgeParams>(m, "CartridgeParams",
+                              "Trainable prefix: float32 frozen and trainable keys/values per layer [H_kv, n, D].")
+      .def(py::init(&CartridgeParams::from_prefix), py::arg("prefix"), py::arg("num_frozen") = 1)
+      .def(py::init([](std::vector<at::Tensor> fk, std::vector<at::Tensor> fv, std::vector<at::Tensor> tk,
+                       std::vector<at::Tensor> tv) {
+             TORCH_CHECK(!tk.empty() && fk.size() == tk.size() && fv.size() == tk.size() && tv.size() == tk.size(),
+                         "CartridgeParams: one frozen and one trainable key/value tensor per layer");
+             CartridgeParams p;
+             for (size_t l = 0; l < tk.size(); ++l) {
+               p.frozen_keys.push_back(fk[l].detach().to(at::kFloat).contiguous());
+               p.frozen_values.push_back(fv[l].detach().to(at::kFloat).contiguous());
+               p.trainable_keys.push_back(tk[l].detach().to(at::kFloat).clone().set_requires_grad(true));
+               p.trainable_values.push_back(tv[l].detach().to(at::kFloat).clone().set_requires_grad(true));
+             }
+             return p;
+           }),
+           py::arg("frozen_keys"), py::arg("frozen_values"), py::arg("trainable_keys"), py::arg("trainable_values"))
+      .def_readonly("frozen_keys", &CartridgeParams::frozen_keys)
+      .def_readonly("frozen_values", &CartridgeParams::frozen_values)
+      .def_readonly("trainable_keys", &CartridgeParams::trainable_keys)
+      .def_readonly("trainable_values", &CartridgeParams::trainable_values)
+      .def_property_readonly("num_tokens", &CartridgeParams::num_tokens)
+      .def_property_readonly("num_frozen", &CartridgeParams::num_frozen)
+      .def(
+          "to_prefix",
+          [](const CartridgeParams& p, const std::string& dtype, const std::string& device) {
+            return std::make_shared<KVPrefix>(p.to_prefix(parse_dtype(dtype), at::Device(device), /*detach=*/true));
+          },
+          py::arg("dtype") = "float32", py::arg("device") = "cpu", "A detached serving copy as a KVPrefix.");
+
+  py::class_<TrainingData>(m, "TrainingData")
+      .def(py::init([](at::Tensor tokens, at::Tensor lengths, at::Tensor target_mask, at::Tensor topk_ids,
+                       at::Tensor topk_logprobs) {
+             return TrainingData{tokens, lengths, target_mask, topk_ids, topk_logprobs};
+           }),
+           py::arg("tokens"), py::arg("lengths"), py::arg("target_mask"), py::arg("topk_ids"),
+           py::arg("topk_logprobs"))
+      .def_readonly("tokens", &TrainingData::tokens)
+      .def_readonly("lengths", &TrainingData::lengths)
+      .def_readonly("target_mask", &TrainingData::target_mask)
+      .def_readonly("topk_ids", &TrainingData::topk_ids)
+      .def_readonly("topk_logprobs", &TrainingData::topk_logprobs)
+      .def("validate", &TrainingData::validate, py::arg("vocab_size"));
+
+  m.def("distillation_loss_sum", &distillation_loss_sum, py::arg("model"), py::arg("params"), py::arg("data"),
+        py::arg("rows"), py::call_guard<py::gil_scoped_release>(),
+        "(loss summed over the rows' targets, differentiable w.r.t. params' trainable tensors; target count).");
+
+  py::class_<Adam>(m, "Adam")
+      .def(py::init([](std::vector<at::Tensor> params, double lr, double beta1, double beta2, double eps) {
+             return Adam(std::move(params), AdamOptions{lr, beta1, beta2, eps});
+           }),
+           py::arg("params"), py::arg("lr") = 2e-2, py::arg("beta1") = 0.9, py::arg("beta2") = 0.999,
+           py::arg("eps") = 1e-8)
+      .def("step", &Adam::step, py::arg("lr"))
+      .def("zero_grad", &Adam::zero_grad)
+      .def_property_readonly("steps", &Adam::steps);
+
+  py::class_<TrainOptions>(m, "TrainOptions")
+      .def(py::init<>())
+      .def_property(
+          "lr", [](const TrainOptions& o) { return o.adam.lr; }, [](TrainOptions& o, double v) { o.adam.lr = v; })
+      .def_readwrite("epochs", &TrainOptions::epochs)
+      .def_readwrite("batch_size", &TrainOptions::batch_size)
+      .def_readwrite("grad_accum", &TrainOptions::grad_accum)
+      .def_readwrite("cosine", &TrainOptions::cosine)
+      .def_readwrite("seed", &TrainOptions::seed)
+      .def_readwrite("checkpoint_path", &TrainOptions::checkpoint_path)
+      .def_readwrite("checkpoint_every", &TrainOptions::checkpoint_every)
+      .def_readwrite("resume", &TrainOptions::resume)
+      .def("total_steps", &TrainOptions::total_steps, py::arg("num_conversations"));
+
+  py::class_<TrainProgress>(m, "TrainProgress")
+      .def_readonly("step", &TrainProgress::step)
+      .def_readonly("total", &TrainProgress::total)
+      .def_readonly("loss", &TrainProgress::loss)
+      .def_readonly("lr", &TrainProgress::lr);
+
+  py::class_<TrainResult>(m, "TrainResult")
+      .def_readonly("steps", &TrainResult::steps)
+      .def_readonly("cancelled", &TrainResult::cancelled)
+      .def_readonly("losses", &TrainResult::losses);
+
+  py::class_<CancelToken, std::shared_ptr<CancelToken>>(m, "CancelToken")
+      .def(py::init<>())
+      .def("cancel", [](CancelToken& t) { t.requested = true; })
+      .def_property_readonly("cancelled", [](const CancelToken& t) { return t.requested.load(); });
+
+  m.def(
+      "train_cartridge",
+      [](const LlamaModel& model, CartridgeParams& params, const TrainingData& data, const TrainOptions& options,
+         std::optional<py::function> on_progress, std::shared_ptr<CancelToken> cancel) {
+        ProgressCallback callback;
+        if (on_progress) {
+          callback = [fn = *on_progress](const TrainProgress& p) {
+            py::gil_scoped_acquire acquire;
+            py::object r = fn(p);
+            return r.is_none() || r.cast<bool>();  // None (no return value) goes on
+          };
+        }
+        py::gil_scoped_release release;
+        return train_cartridge(model, params, data, options, callback, cancel ? &cancel->requested : nullptr);
+      },
+      py::arg("model"), py::arg("params"), py::arg("data"), py::arg("options"), py::arg("on_progress") = py::none(),
+      py::arg("cancel") = nullptr,
+      "Trains params in place with the GIL released. on_progress(TrainProgress) returning False cancels.");
+}
+
+}  // namespace cartridges::bindings
