@@ -1,5 +1,5 @@
-// Python bindings: engine.
-#include <pybind11/functional.h>
+// Python bindings: sampling and the serving engine.
+#include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 
 #include "cartridges/engine.h"
@@ -8,19 +8,27 @@
 namespace cartridges::bindings {
 
 void bind_engine(py::module_& m) {
+  // Typed errors: the server answers them with 400 context_length_exceeded, 429, 503.
+  py::register_exception<ContextLengthError>(m, "ContextLengthError", PyExc_ValueError);
+  py::register_exception<EngineBusyError>(m, "EngineBusyError", PyExc_RuntimeError);
+  py::register_exception<CacheFullError>(m, "CacheFullError", PyExc_RuntimeError);
+  py::register_exception<EngineStoppedError>(m, "EngineStoppedError", PyExc_RuntimeError);
+
   py::class_<SamplingParams>(m, "SamplingParams")
       .def(py::init([](double temperature, double top_p, int64_t top_k, int64_t seed, int64_t max_new_tokens,
-                       std::vector<int64_t> stop_token_ids) {
-             return SamplingParams{temperature, top_p, top_k, seed, max_new_tokens, std::move(stop_token_ids)};
+                       std::vector<int64_t> stop_token_ids, int64_t logprobs) {
+             return SamplingParams{temperature, top_p, top_k, seed, max_new_tokens, std::move(stop_token_ids), logprobs};
            }),
            py::arg("temperature") = 0.0, py::arg("top_p") = 1.0, py::arg("top_k") = 0, py::arg("seed") = -1,
-           py::arg("max_new_tokens") = 256, py::arg("stop_token_ids") = std::vector<int64_t>{})
+           py::arg("max_new_tokens") = 256, py::arg("stop_token_ids") = std::vector<int64_t>{},
+           py::arg("logprobs") = 0)
       .def_readwrite("temperature", &SamplingParams::temperature)
       .def_readwrite("top_p", &SamplingParams::top_p)
       .def_readwrite("top_k", &SamplingParams::top_k)
       .def_readwrite("seed", &SamplingParams::seed)
       .def_readwrite("max_new_tokens", &SamplingParams::max_new_tokens)
-      .def_readwrite("stop_token_ids", &SamplingParams::stop_token_ids);
+      .def_readwrite("stop_token_ids", &SamplingParams::stop_token_ids)
+      .def_readwrite("logprobs", &SamplingParams::logprobs);
 
   py::class_<Sampler>(m, "Sampler")
       .def(py::init<const SamplingParams&>())
@@ -28,38 +36,94 @@ void bind_engine(py::module_& m) {
   m.def("filter_top_k", &filter_top_k);
   m.def("filter_top_p", &filter_top_p);
 
-  m.def(
-      "generate",
-      [](const LlamaModel& model, const std::vector<std::vector<int64_t>>& prompts,
-         const std::vector<SamplingParams>& params, std::optional<std::vector<PyPrefixList>> prefixes,
-         std::optional<std::function<bool(int64_t, int64_t)>> on_token) {
-        TORCH_CHECK(params.size() == prompts.size(), "generate: one SamplingParams per prompt");
-        TORCH_CHECK(!prefixes || prefixes->size() == prompts.size(), "generate: one prefix list per prompt");
-        std::vector<GenerationRequest> requests(prompts.size());
-        for (size_t i = 0; i < prompts.size(); ++i) {
-          requests[i] = {prompts[i], params[i], prefixes ? to_const((*prefixes)[i]) : PrefixList{}};
-        }
-        TokenCallback callback;
-        if (on_token) {
-          // The callback is Python: take the GIL around each call only.
-          callback = [fn = *on_token](int64_t request, int64_t token) {
-            py::gil_scoped_acquire acquire;
-            return fn(request, token);
-          };
-        }
-        std::vector<GenerationResult> results;
-        {
-          py::gil_scoped_release release;
-          results = generate(model, requests, callback);
-        }
-        py::list out;
-        for (auto& r : results) out.append(py::make_tuple(r.tokens, r.finish_reason));
-        return out;
-      },
-      py::arg("model"), py::arg("prompts"), py::arg("params"), py::arg("prefixes") = py::none(),
-      py::arg("on_token") = py::none(),
-      "Generates for all prompts as one batch; returns [(tokens, finish_reason)]. on_token(i, token) -> bool is "
-      "called per token; False cancels request i.");
+  py::enum_<Priority>(m, "Priority")
+      .value("INTERACTIVE", Priority::kInteractive)
+      .value("BACKGROUND", Priority::kBackground);
+
+  py::class_<EngineOptions>(m, "EngineOptions")
+      .def(py::init<>())
+      .def_readwrite("kv_tokens", &EngineOptions::kv_tokens)
+      .def_readwrite("max_running", &EngineOptions::max_running)
+      .def_readwrite("prefill_tokens_per_step", &EngineOptions::prefill_tokens_per_step)
+      .def_readwrite("max_waiting", &EngineOptions::max_waiting)
+      .def_readwrite("cartridge_cache_bytes", &EngineOptions::cartridge_cache_bytes)
+      .def_readwrite("num_threads", &EngineOptions::num_threads);
+
+  py::class_<Event>(m, "Event")
+      .def_readonly("request", &Event::request)
+      .def_property_readonly("finished", [](const Event& e) { return e.kind == Event::Kind::kFinished; })
+      .def_readonly("token", &Event::token)
+      .def_readonly("logprob", &Event::logprob)
+      .def_readonly("top_ids", &Event::top_ids)
+      .def_readonly("top_logprobs", &Event::top_logprobs)
+      .def_readonly("finish_reason", &Event::finish_reason)
+      .def_readonly("error", &Event::error);
+
+  py::class_<CartridgeCacheStats>(m, "CartridgeCacheStats")
+      .def_readonly("entries", &CartridgeCacheStats::entries)
+      .def_readonly("bytes", &CartridgeCacheStats::bytes)
+      .def_readonly("budget_bytes", &CartridgeCacheStats::budget_bytes)
+      .def_readonly("hits", &CartridgeCacheStats::hits)
+      .def_readonly("misses", &CartridgeCacheStats::misses)
+      .def_readonly("loads", &CartridgeCacheStats::loads)
+      .def_readonly("evictions", &CartridgeCacheStats::evictions);
+
+  py::class_<EngineStats>(m, "EngineStats")
+      .def_readonly("running", &EngineStats::running)
+      .def_readonly("waiting", &EngineStats::waiting)
+      .def_readonly("kv_tokens_used", &EngineStats::kv_tokens_used)
+      .def_readonly("kv_tokens_total", &EngineStats::kv_tokens_total)
+      .def_readonly("kv_bytes", &EngineStats::kv_bytes)
+      .def_readonly("steps", &EngineStats::steps)
+      .def_readonly("prompt_tokens", &EngineStats::prompt_tokens)
+      .def_readonly("generated_tokens", &EngineStats::generated_tokens)
+      .def_readonly("finished", &EngineStats::finished)
+      .def_readonly("cancelled", &EngineStats::cancelled)
+      .def_readonly("cartridges", &EngineStats::cartridges);
+
+  py::class_<CartridgeCache>(m, "CartridgeCache", "Cartridges by id under a byte budget; LRU eviction of idle ones.")
+      .def("get", [](CartridgeCache& c, const std::string& id) { return std::const_pointer_cast<KVPrefix>(c.get(id)); })
+      .def("contains", &CartridgeCache::contains)
+      .def("put", [](CartridgeCache& c, const std::string& id, std::shared_ptr<KVPrefix> p) { c.put(id, std::move(p)); },
+           py::arg("id"), py::arg("prefix"))
+      .def("remove", &CartridgeCache::remove)
+      .def("ids", &CartridgeCache::ids)
+      .def("stats", &CartridgeCache::stats);
+
+  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine", "The serving engine: one compute thread, many requests.")
+      .def(py::init([](std::shared_ptr<LlamaModel> model, const EngineOptions& options) {
+             py::gil_scoped_release release;
+             return std::make_shared<Engine>(std::move(model), options);
+           }),
+           py::arg("model"), py::arg("options") = EngineOptions{})
+      .def(
+          "submit",
+          [](Engine& e, std::vector<int64_t> prompt, const PyPrefixList& prefixes, const SamplingParams& params,
+             Priority priority) {
+            Request r{std::move(prompt), to_const(prefixes), params, priority};
+            py::gil_scoped_release release;
+            return e.submit(std::move(r));
+          },
+          py::arg("prompt"), py::arg("prefixes"), py::arg("params"), py::arg("priority") = Priority::kInteractive)
+      .def(
+          "submit_all",
+          [](Engine& e, std::vector<std::tuple<std::vector<int64_t>, PyPrefixList, SamplingParams>> requests,
+             Priority priority) {
+            std::vector<Request> rs;
+            for (auto& [prompt, prefixes, params] : requests) rs.push_back({prompt, to_const(prefixes), params, priority});
+            py::gil_scoped_release release;
+            return e.submit_all(std::move(rs));
+          },
+          py::arg("requests"), py::arg("priority") = Priority::kInteractive,
+          "Queues [(prompt, prefixes, params)] at once (all or none); returns their ids.")
+      .def("cancel", &Engine::cancel, py::arg("id"), py::call_guard<py::gil_scoped_release>())
+      .def("poll", &Engine::poll, py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),
+           "Events of finished steps (waits up to timeout for the first).")
+      .def("stats", &Engine::stats, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("cartridges", &Engine::cartridges, py::return_value_policy::reference_internal)
+      .def_property_readonly("options", &Engine::options)
+      .def_property_readonly("running", &Engine::running)
+      .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace cartridges::bindings

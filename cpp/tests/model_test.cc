@@ -86,46 +86,32 @@ TEST_F(ModelTest, PrefixFromTokensEqualsTokensInContext) {
   EXPECT_TRUE(at::allclose(composed, in_context2, 1e-4, 1e-5));
 }
 
-TEST_F(ModelTest, GenerateBatchEqualsEachAlone) {
-  std::vector<GenerationRequest> requests;
-  for (int64_t len : {4, 9, 2}) {
-    GenerationRequest r;
-    auto t = at::randint(config.vocab_size, {len}, at::kLong);
-    r.prompt.assign(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + len);
-    r.params.max_new_tokens = 6 + len;  // different lengths finish at different steps
-    requests.push_back(r);
-  }
-  auto batched = generate(*model, requests);
-  for (size_t i = 0; i < requests.size(); ++i) {
-    auto alone = generate(*model, {requests[i]});
-    EXPECT_EQ(batched[i].tokens, alone[0].tokens) << "request " << i;
-    EXPECT_EQ(batched[i].finish_reason, "length");
-  }
-}
-
-TEST_F(ModelTest, StopTokenAndCancelEndSequences) {
-  GenerationRequest r;
-  r.prompt = {1, 2, 3};
-  r.params.max_new_tokens = 8;
-  auto free_run = generate(*model, {r})[0];
-  r.params.stop_token_ids = {free_run.tokens[2]};
-  auto stopped = generate(*model, {r})[0];
-  EXPECT_EQ(stopped.finish_reason, "stop");
-  EXPECT_LE(stopped.tokens.size(), 3u);
-  r.params.stop_token_ids.clear();
-  int seen = 0;
-  auto cancelled = generate(*model, {r, r}, [&](int64_t i, int64_t) { return !(i == 0 && ++seen == 2); });
-  EXPECT_EQ(cancelled[0].finish_reason, "cancelled");
-  EXPECT_EQ(cancelled[0].tokens.size(), 2u);
-  EXPECT_EQ(cancelled[1].tokens, free_run.tokens);
-}
-
 TEST_F(ModelTest, BadInputsAreRefused) {
   auto bad = random_weights(config);
   bad.erase("model.layers.1.mlp.up_proj.weight");
   EXPECT_THROW(LlamaModel(config, bad, at::kCPU, at::kFloat), c10::Error);
-  GenerationRequest r;
-  r.prompt = {1};
-  r.params.max_new_tokens = 1000;  // beyond the context of 256
-  EXPECT_THROW(generate(*model, {r}), c10::Error);
+}
+
+TEST_F(ModelTest, PackedStepMatchesFullForward) {
+  // Three sequences in one packed step: a prefill chunk after earlier tokens, a decode token,
+  // and a whole prompt behind a prefix; each row's logits equal the plain forward's.
+  auto doc = at::randint(config.vocab_size, {6}, at::kLong);
+  auto prefix = std::make_shared<const KVPrefix>(model->prefix_from_tokens(doc));
+  auto a = at::randint(config.vocab_size, {9}, at::kLong), b = at::randint(config.vocab_size, {5}, at::kLong),
+       c = at::randint(config.vocab_size, {4}, at::kLong);
+  KVPool pool(config, 64, model->options());
+  // Step 1: a's first 5 tokens and b's first 4.
+  PackedBatch first;
+  first.tokens = at::cat({a.narrow(0, 0, 5), b.narrow(0, 0, 4)});
+  first.sequences = {{0, 0, 5, {}, false}, {20, 0, 4, {}, true}};
+  model->forward_packed(first, pool);
+  // Step 2: the rest of a (chunk), b's 5th token (decode), all of c behind the prefix.
+  PackedBatch second;
+  second.tokens = at::cat({a.narrow(0, 5, 4), b.narrow(0, 4, 1), c});
+  second.sequences = {{0, 5, 4, {}, true}, {20, 4, 1, {}, true}, {40, 0, 4, {prefix}, true}};
+  auto logits = model->forward_packed(second, pool);
+  ASSERT_EQ(logits.size(0), 3);
+  EXPECT_TRUE(at::allclose(logits[0], full(a)[8], 1e-4, 1e-5));
+  EXPECT_TRUE(at::allclose(logits[1], full(b)[4], 1e-4, 1e-5));
+  EXPECT_TRUE(at::allclose(logits[2], full(at::cat({doc, c}))[9], 1e-4, 1e-5));
 }

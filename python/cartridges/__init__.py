@@ -5,7 +5,18 @@ from importlib.metadata import PackageNotFoundError, version
 import torch  # noqa: F401  (loads libtorch before the compiled core)
 
 from .cartridge import Cartridge, CartridgeFileError, load_cartridge
-from .model import Completion, Model, load_model
+from .engine import (
+    CacheFullError,
+    Completion,
+    ContextLengthError,
+    Delta,
+    Engine,
+    EngineBusyError,
+    GenerationError,
+    Stream,
+    TokenLogprob,
+)
+from .model import Model, load_model
 from .models import ModelLoadError
 from .selfstudy import TrainConfig
 from .training import train
@@ -16,9 +27,17 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0"
 
 __all__ = [
+    "CacheFullError",
     "Cartridge",
     "CartridgeFileError",
     "Completion",
+    "ContextLengthError",
+    "Delta",
+    "Engine",
+    "EngineBusyError",
+    "GenerationError",
+    "Stream",
+    "TokenLogprob",
     "Model",
     "ModelLoadError",
     "TrainConfig",

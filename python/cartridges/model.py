@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -22,18 +21,12 @@ import torch
 
 import cartridges_core as core
 
+from .engine import Completion, Engine, GenerationError, Stream, as_prefix
 from .models import ChatTokenizer, LoadedModel, ModelConfig, ModelLoadError, load_weights
 from .models.tokenizer import Message
 
 # Cartridges (`Cartridge` objects or their KV prefixes), composed in order in front of the prompt.
 Prefixes = Sequence[Any]
-
-
-@dataclass
-class Completion:
-    tokens: list[int]  # generated ids, a final stop token included
-    text: str  # decoded, without special tokens
-    finish_reason: str  # "stop", "length" or "cancelled"
 
 
 def default_dtype(device: str) -> str:
@@ -64,6 +57,8 @@ class Model:
             if hasattr(core_config, key):
                 setattr(core_config, key, value)
         self.core = core.LlamaModel(core_config, tensors, device, dtype or default_dtype(device), quantized or {})
+        self._engine: Engine | None = None
+        self._engine_lock = threading.Lock()
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, *, device: str = "cpu", dtype: str | None = None) -> Model:
@@ -86,6 +81,26 @@ class Model:
     def context_length(self) -> int:
         return self.config.max_position_embeddings
 
+    # -- the engine -------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        """The model's serving engine, started with default options on first use; every
+        generation of the package runs on it."""
+        with self._engine_lock:
+            if self._engine is None:
+                self._engine = Engine(self)
+            return self._engine
+
+    def start_engine(self, **options: int) -> Engine:
+        """Starts the model's engine with the given options (see `Engine`); an engine already
+        running is shut down first (its requests are cancelled)."""
+        with self._engine_lock:
+            if self._engine is not None:
+                self._engine.close()
+            self._engine = Engine(self, **options)
+            return self._engine
+
     # -- generation over token ids ---------------------------------------------------------
 
     def generate(
@@ -98,27 +113,37 @@ class Model:
         top_k: int = 0,
         seed: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
+        stop: Sequence[str] = (),
+        logprobs: int = 0,
         prefixes: Prefixes | Sequence[Prefixes] | None = None,
         on_token: Callable[[int, int], bool | None] | None = None,
+        priority: str = "interactive",
     ) -> list[Completion]:
-        """Generate for all prompts as one batch.
+        """Generate for all prompts on the engine (they run together with whatever else it serves).
 
         `prefixes`: cartridges (`Cartridge` objects or KV prefixes) in front of every prompt, or
-        one list per prompt.
+        one list per prompt. `stop`: text stop sequences (the match is not returned).
+        `logprobs`: how many top log-probabilities to return per token.
         `on_token(i, token)` is called as each token is produced; returning False cancels
         prompt i. Stops at the tokenizer's end-of-turn ids unless `stop_token_ids` is given.
         """
-        stops = list(stop_token_ids) if stop_token_ids is not None else self._default_stops()
-        params = core.SamplingParams(
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=-1 if seed is None else seed,
-            max_new_tokens=max_new_tokens, stop_token_ids=stops,
-        )
         per_prompt = _per_prompt_prefixes(self, prefixes, len(prompts))
-        callback = None
-        if on_token is not None:
-            callback = lambda i, t: on_token(i, t) is not False  # noqa: E731 - None means go on
-        results = core.generate(self.core, [list(p) for p in prompts], [params] * len(prompts), per_prompt, callback)
-        return [Completion(tokens, self._decode(tokens), reason) for tokens, reason in results]
+        condition = threading.Condition()
+        streams: list[Stream] = []
+        try:
+            streams = self.engine.submit_many(
+                prompts, prefixes=per_prompt, seeds=[seed] * len(prompts), max_new_tokens=max_new_tokens,
+                temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, stop=stop,
+                logprobs=logprobs, priority=priority, condition=condition,
+            )
+            _wait_all(streams, condition, on_token)
+        finally:
+            for stream in streams:
+                stream.close()
+        for stream in streams:
+            if stream.finish_reason == "error":
+                raise GenerationError(stream.error or "generation failed")
+        return [Completion(s.tokens, s.text, s.finish_reason or "cancelled", s.logprobs) for s in streams]
 
     # -- chat ------------------------------------------------------------------------------
 
@@ -135,37 +160,10 @@ class Model:
                     **sampling) -> Iterator[str]:
         """Yield the reply's text as it is generated. Closing the iterator stops generation."""
         prompt = self.encode_chat(messages)
-        decoder = self._tokenizer().stream_decoder()
-        pieces: queue.Queue = queue.Queue()
-        stop = threading.Event()
-        done = object()
-
-        def on_token(_: int, token: int) -> bool:
-            pieces.put(token)
-            return not stop.is_set()
-
-        def run() -> None:
-            try:
-                self.generate([prompt], prefixes=list(cartridges), max_new_tokens=max_tokens, on_token=on_token,
-                              **sampling)
-                pieces.put(done)
-            except BaseException as error:  # handed to the consumer, raised there
-                pieces.put(error)
-
-        worker = threading.Thread(target=run, name="cartridges-generate", daemon=True)
-        worker.start()
-        stops = set(self._default_stops())
-        try:
-            while (item := pieces.get()) is not done:
-                if isinstance(item, BaseException):
-                    raise item
-                if item not in stops and (text := decoder.feed(item)):
-                    yield text
-            if tail := decoder.flush():
-                yield tail
-        finally:
-            stop.set()
-            worker.join()
+        with self.engine.submit(prompt, prefixes=list(cartridges), max_new_tokens=max_tokens, **sampling) as stream:
+            for delta in stream:
+                if delta.text:
+                    yield delta.text
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -173,11 +171,6 @@ class Model:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer; pass token ids to generate()")
         return self.tokenizer
-
-    def _default_stops(self) -> list[int]:
-        if self.tokenizer is not None:
-            return list(self.tokenizer.eos_token_ids)
-        return list(self.config.eos_token_ids)
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
@@ -194,24 +187,40 @@ def load_model(path: str | os.PathLike[str] | None = None, *, device: str = "cpu
     return Model.from_loaded(load_weights(path), device=device, dtype=dtype)
 
 
+def _wait_all(streams: list[Stream], condition: threading.Condition,
+              on_token: Callable[[int, int], bool | None] | None) -> None:
+    """Consumes the streams' events as they come (they share `condition`), calling on_token."""
+    while True:
+        for i, stream in enumerate(streams):
+            count = len(stream.tokens)
+            for delta in stream._take():
+                if on_token is None or delta.token is None:
+                    continue
+                count += 1
+                if on_token(i, delta.token) is False:
+                    stream.close()
+                    del stream.tokens[count:]  # tokens taken with this one are dropped
+                    break
+        if all(s.finished for s in streams):
+            return
+        with condition:
+            while not any(s._events for s in streams if not s.finished):
+                condition.wait()
+
+
 def _per_prompt_prefixes(model: Model, prefixes, count: int) -> list[list[core.KVPrefix]] | None:
     if not prefixes:
         return None
     if _is_prefix(prefixes[0]):
-        shared = [_as_prefix(model, p) for p in prefixes]
+        shared = [as_prefix(model, p) for p in prefixes]
         return [shared] * count
     if len(prefixes) != count:
         raise ValueError(f"got {len(prefixes)} prefix lists for {count} prompts")
-    return [[_as_prefix(model, p) for p in row] for row in prefixes]
+    return [[as_prefix(model, p) for p in row] for row in prefixes]
 
 
 def _is_prefix(item) -> bool:
     return isinstance(item, core.KVPrefix) or hasattr(item, "prefix")
-
-
-def _as_prefix(model: Model, item) -> core.KVPrefix:
-    """A KV prefix as is, or a `Cartridge`'s prefix for this model (made once, then shared)."""
-    return item if isinstance(item, core.KVPrefix) else item.prefix(model)
 
 
 def _fingerprint(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> str:

@@ -91,7 +91,9 @@ def test_per_prompt_prefixes(model):
 
 
 def test_context_overflow_is_a_clear_error(model):
-    with pytest.raises(RuntimeError, match="context"):
+    from cartridges import ContextLengthError
+
+    with pytest.raises(ContextLengthError, match="context"):
         model.generate([[1] * 500], max_new_tokens=100)
 
 

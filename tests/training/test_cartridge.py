@@ -52,12 +52,12 @@ def test_generation_with_several_cartridges_equals_texts_in_context(model):
     both = corpus_cartridge(model, a + b)
     second = Cartridge([k[:, len(ta):] for k in both.keys], [v[:, len(ta):] for v in both.values], 0, model.fingerprint)
     prompt = model.tokenizer.encode_chat([{"role": "user", "content": "Colors?"}])
-    params = [cartridges_core.SamplingParams(max_new_tokens=12)] * 2
     both_prefixes = [first.prefix(model), second.prefix(model)]
-    composed = cartridges_core.generate(model.core, [prompt, prompt[:5]], params, [both_prefixes] * 2)
+    kwargs = dict(max_new_tokens=12, stop_token_ids=[])
+    composed = [model.engine.submit(p, prefixes=[first, second], **kwargs) for p in (prompt, prompt[:5])]
     text = model.tokenizer.encode(a + b)
-    plain = cartridges_core.generate(model.core, [text + prompt, text + prompt[:5]], params)
-    assert composed == plain
+    plain = [model.engine.submit(text + p, **kwargs) for p in (prompt, prompt[:5])]
+    assert [s.result().tokens for s in composed] == [s.result().tokens for s in plain]
     assert first.prefix(model) is both_prefixes[0]  # made once, shared by every request
 
 

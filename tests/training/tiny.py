@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
 import torch
 
 import cartridges_core
+from cartridges import Engine
 
 PAD, BOS, IM_START, IM_END = 0, 1, 2, 3
 _FIRST_CHAR, _NUM_CHARS = 4, 95  # printable ASCII 32..126
@@ -81,6 +83,10 @@ class TinyModel:
     fingerprint: str
     weights: dict[str, torch.Tensor]
     config: cartridges_core.LlamaConfig
+
+    @functools.cached_property
+    def engine(self) -> Engine:
+        return Engine(self, kv_tokens=8192)
 
 
 def tiny_model(seed: int = 0, context: int = 1024) -> TinyModel:

@@ -1,15 +1,24 @@
 #pragma once
-// Sampling and batched generation over LlamaModel.
+// The serving engine: one compute thread that many callers share (continuous batching), a KV
+// pool sized once, and a cache of cartridges under a byte budget. Sampling lives here too.
 
 #include <ATen/ATen.h>
 
-#include <functional>
+#include <chrono>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "cartridges/model.h"
 
 namespace cartridges {
+
+// ---- sampling --------------------------------------------------------------------------
 
 struct SamplingParams {
   double temperature = 0.0;  // 0 samples greedily (argmax)
@@ -18,6 +27,9 @@ struct SamplingParams {
   int64_t seed = -1;         // same seed, same output; negative draws a fresh seed
   int64_t max_new_tokens = 256;
   std::vector<int64_t> stop_token_ids;  // generation ends after producing one of these
+  // Also return, for every sampled token, its log-probability and the `logprobs` most likely
+  // tokens with theirs, under the model's own distribution (temperature 1, no filtering).
+  int64_t logprobs = 0;
 };
 
 // Draws tokens for one sequence; owns that sequence's random generator.
@@ -37,24 +49,153 @@ at::Tensor filter_top_k(const at::Tensor& logits, int64_t k);
 // Logits with everything outside the smallest most-likely set of mass >= p set to -inf.
 at::Tensor filter_top_p(const at::Tensor& logits, double p);
 
-struct GenerationRequest {
-  std::vector<int64_t> prompt;
-  SamplingParams params;
-  PrefixList prefixes;  // cartridges in front of the prompt, in order
+// ---- typed errors (the server maps them to HTTP answers) ----------------------------------
+
+// Prefixes + prompt + max_new_tokens exceed the model's context: the request can never run.
+struct ContextLengthError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+// The waiting queue is full: try again later.
+struct EngineBusyError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// A cartridge larger than what the cache may hold once every idle cartridge is evicted.
+struct CacheFullError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// The engine has shut down (or its compute thread failed).
+struct EngineStoppedError : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
+// ---- cartridge cache -------------------------------------------------------------------
+
+struct CartridgeCacheStats {
+  int64_t entries = 0, bytes = 0, budget_bytes = 0;
+  int64_t hits = 0, misses = 0, loads = 0, evictions = 0;
+};
+
+// Cartridges (KV prefixes) by id under a byte budget. A cartridge that a queued or running
+// request holds (its shared pointer is held outside the cache) is never evicted; loading past
+// the budget evicts the least recently used idle ones. Thread-safe.
+class CartridgeCache {
+ public:
+  explicit CartridgeCache(int64_t budget_bytes);
+
+  // The cartridge, marked as just used; null when absent (counted as a miss).
+  PrefixPtr get(const std::string& id);
+  bool contains(const std::string& id) const;
+  // Adds (or replaces) a cartridge, evicting idle ones as needed; CacheFullError when it
+  // cannot fit even then (nothing is evicted in that case).
+  void put(const std::string& id, PrefixPtr prefix);
+  // Removes it from the cache (a request holding it keeps its copy alive until it ends).
+  bool remove(const std::string& id);
+  std::vector<std::string> ids() const;  // most recently used first
+  CartridgeCacheStats stats() const;
+
+ private:
+  struct Entry {
+    std::string id;
+    PrefixPtr prefix;
+    int64_t bytes;
+  };
+  mutable std::mutex mutex_;
+  int64_t budget_, bytes_ = 0;
+  CartridgeCacheStats counters_;
+  std::list<Entry> lru_;  // front: most recently used
+  std::unordered_map<std::string, std::list<Entry>::iterator> index_;
+};
+
+// ---- engine ----------------------------------------------------------------------------
+
+enum class Priority { kInteractive = 0, kBackground = 1 };
+
+struct EngineOptions {
+  // KV pool size in tokens, allocated once and shared by the own tokens (prompt + output) of
+  // every running request; a request reserves prompt + max_new_tokens slots when it starts.
+  // Cartridges are not in the pool. Default 32768 (1.4 GiB for SmolLM2-135M in float32).
+  int64_t kv_tokens = 32768;
+  // Requests decoded together in one step at most. Default 64.
+  int64_t max_running = 64;
+  // Prompt tokens prefilled per step at most, beside one decode token per running request:
+  // bounds how long a step (and so every running request's next token) can take. Default 512.
+  int64_t prefill_tokens_per_step = 512;
+  // Requests waiting for room at most; beyond it submit raises EngineBusyError. Default 1024.
+  int64_t max_waiting = 1024;
+  // Bytes of cartridges kept loaded in the engine's cartridge cache. Default 1 GiB.
+  int64_t cartridge_cache_bytes = int64_t{1} << 30;
+  // Intra-op threads of the compute thread; 0 keeps ATen's current setting. Default 0.
+  int num_threads = 0;
+};
+
+struct Request {
+  std::vector<int64_t> prompt;  // token ids, not empty
+  PrefixList prefixes;          // cartridges in front of the prompt, composed in this order
+  SamplingParams params;
+  Priority priority = Priority::kInteractive;
+};
+
+struct Event {
+  enum class Kind { kToken, kFinished };
+  int64_t request = 0;
+  Kind kind = Kind::kToken;
+  // kToken: the sampled token, and its log-probabilities when asked for.
+  int64_t token = -1;
+  float logprob = 0.f;
+  std::vector<int64_t> top_ids;
+  std::vector<float> top_logprobs;
+  // kFinished: "stop", "length", "cancelled" or "error" (then `error` says why).
+  std::string finish_reason;
+  std::string error;
+};
+
+struct EngineStats {
+  int64_t running = 0, waiting = 0;
+  int64_t kv_tokens_used = 0, kv_tokens_total = 0, kv_bytes = 0;
+  int64_t steps = 0, prompt_tokens = 0, generated_tokens = 0;
+  int64_t finished = 0, cancelled = 0;
+  CartridgeCacheStats cartridges;
+};
+
+class EngineImpl;
+
+// Owns the model's compute on one thread. submit/cancel/poll/stats are thread-safe.
+class Engine {
+ public:
+  Engine(std::shared_ptr<const LlamaModel> model, EngineOptions options = {});
+  ~Engine();  // shuts down
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Queues a request and returns its id. ContextLengthError when it can never fit the context
+  // or the pool; EngineBusyError when the waiting queue is full; c10::Error for bad params.
+  int64_t submit(Request request);
+  // Queues several requests at once (they start in the same step when there is room, which
+  // makes a seeded batch repeatable); all or none are queued.
+  std::vector<int64_t> submit_all(std::vector<Request> requests);
+  // Ends a queued or running request with finish_reason "cancelled"; false if unknown/ended.
+  bool cancel(int64_t id);
+  // Events of finished steps, in order; waits up to `timeout` for the first one. Empty after
+  // shutdown once everything has been delivered.
+  std::vector<Event> poll(std::chrono::milliseconds timeout);
+  EngineStats stats() const;
+  CartridgeCache& cartridges();
+  const EngineOptions& options() const;
+  const LlamaModel& model() const;
+  // Cancels everything, stops the compute thread; idempotent.
+  void shutdown();
+  bool running() const;
+
+ private:
+  std::unique_ptr<EngineImpl> impl_;
+};
+
+// Convenience for one closed batch (tests, scripts): submits every request to `engine`,
+// waits for all, returns (tokens, finish_reason) per request in order.
 struct GenerationResult {
   std::vector<int64_t> tokens;  // generated tokens, the stop token included
-  std::string finish_reason;    // "stop", "length" or "cancelled"
+  std::string finish_reason;
 };
-
-// Called for each token as it is produced with the request's index; returning false cancels
-// that request. It runs on the generating thread.
-using TokenCallback = std::function<bool(int64_t request, int64_t token)>;
-
-// Generates for all requests as one batch: a ragged prefill, then one decode step per token
-// for the requests still running. KV memory is sized to this batch.
-std::vector<GenerationResult> generate(const LlamaModel& model, const std::vector<GenerationRequest>& requests,
-                                       const TokenCallback& on_token = nullptr);
+std::vector<GenerationResult> generate_all(Engine& engine, const std::vector<Request>& requests);
 
 }  // namespace cartridges

@@ -59,6 +59,34 @@ struct QuantizedWeight {
 
 struct QuantizedMatrix;
 
+// KV memory of the serving engine: one slab of `capacity` token slots per layer, allocated
+// once. Each sequence owns a contiguous range of slots (handed out by the engine's allocator);
+// its own token j lives at slot offset + j. Prefixes (cartridges) are not in the pool.
+struct KVPool {
+  KVPool(const LlamaConfig& config, int64_t capacity, at::TensorOptions options);
+  int64_t capacity() const { return keys.empty() ? 0 : keys[0].size(0); }
+  int64_t nbytes() const;
+
+  std::vector<at::Tensor> keys;    // per layer: [capacity, H_kv, D]
+  std::vector<at::Tensor> values;  // per layer: [capacity, H_kv, D]
+};
+
+// One sequence's part of a packed step: its `num_new` tokens follow the previous sequence's
+// in PackedBatch::tokens.
+struct PackedSequence {
+  int64_t kv_offset = 0;  // first pool slot of this sequence's own tokens
+  int64_t past = 0;       // own tokens already in the pool
+  int64_t num_new = 1;    // tokens of this step, written at slots kv_offset + past + j
+  PrefixList prefixes;    // cartridges in front, in order (read in place, never copied)
+  bool logits = true;     // whether the step returns logits at its last new token
+};
+
+// A serving step: decode tokens and prefill chunks of many sequences, packed without padding.
+struct PackedBatch {
+  at::Tensor tokens;  // [N] int64, N = sum of num_new
+  std::vector<PackedSequence> sequences;
+};
+
 // A linear layer: float32/bf16 weights, and optionally the same weights block-quantized for
 // the CPU decode path (a handful of rows, no gradient).
 struct Linear {
@@ -93,6 +121,11 @@ class LlamaModel {
   // Logits [B, S, vocab] at every new position.
   at::Tensor forward(const ForwardBatch& batch, KVCache* cache) const;
 
+  // The serving step: appends each sequence's new K/V to `pool` and returns float32 logits
+  // [R, vocab] at the last new token of each sequence with `logits` set, in order. Sequences
+  // with the same prefix list attend to it together, reading it once per layer.
+  at::Tensor forward_packed(const PackedBatch& batch, KVPool& pool) const;
+
   // KV of `tokens` [S] as a prefix (the prefix-from-text initialization of a cartridge).
   KVPrefix prefix_from_tokens(const at::Tensor& tokens) const;
 
@@ -105,6 +138,13 @@ class LlamaModel {
     Linear gate_up;            // gate and up fused: [2 I, hidden]
     Linear down;
   };
+
+  // Everything in a layer but attention: shared by forward_hidden and forward_packed.
+  struct Projections {
+    at::Tensor q, k, v;  // [..., H, D], [..., H_kv, D], [..., H_kv, D] before RoPE
+  };
+  Projections project_qkv(const Layer& layer, const at::Tensor& x) const;
+  at::Tensor mlp(const Layer& layer, const at::Tensor& x) const;
 
   LlamaConfig config_;
   at::Device device_;

@@ -10,6 +10,7 @@
 #include <iterator>
 
 #include "cartridges/cartridge.h"
+#include "cartridges/compute.h"
 
 namespace cartridges {
 
@@ -148,6 +149,7 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
         break;
       }
       std::vector<int64_t> rows(order.begin() + mb, order.begin() + std::min(mb + options.batch_size, end));
+      ComputeLock turn;  // takes turns with the serving engine instead of oversubscribing cores
       auto [loss_sum, count] = distillation_loss_sum(model, params, data, rows);
       auto loss = loss_sum / static_cast<double>(step_targets);
       loss.backward();
@@ -158,8 +160,11 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
       break;
     }
     const double lr = options.cosine ? options.adam.lr * 0.5 * (1.0 + std::cos(kPi * step / total)) : options.adam.lr;
-    adam.step(lr);
-    adam.zero_grad();
+    {
+      ComputeLock turn;
+      adam.step(lr);
+      adam.zero_grad();
+    }
     result.losses.push_back(step_loss);
     const int64_t done = adam.steps();
     if (!options.checkpoint_path.empty() && options.checkpoint_every > 0 &&

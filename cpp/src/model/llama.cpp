@@ -1,8 +1,10 @@
 #include <algorithm>
 #include <numeric>
 
+#include "cartridges/compute.h"
 #include "cartridges/model.h"
 #include "model/ops.h"
+#include "model/packed_attention.h"
 #include "model/quantized.h"
 
 namespace cartridges {
@@ -52,6 +54,22 @@ void KVCache::keep_rows(const std::vector<int64_t>& rows) {
     values[l] = values[l].index_select(0, index);
   }
   lengths = std::move(kept_lengths);
+}
+
+KVPool::KVPool(const LlamaConfig& config, int64_t capacity, at::TensorOptions options) {
+  TORCH_CHECK(capacity > 0, "KVPool: capacity must be positive");
+  // Empty, not zeroed: a sequence only ever reads the slots it wrote, and untouched pages of
+  // a large pool cost no memory until they are used.
+  for (int64_t l = 0; l < config.num_layers; ++l) {
+    keys.push_back(at::empty({capacity, config.num_kv_heads, config.head_dim}, options));
+    values.push_back(at::empty({capacity, config.num_kv_heads, config.head_dim}, options));
+  }
+}
+
+int64_t KVPool::nbytes() const {
+  int64_t total = 0;
+  for (size_t l = 0; l < keys.size(); ++l) total += keys[l].nbytes() + values[l].nbytes();
+  return total;
 }
 
 at::Tensor Linear::operator()(const at::Tensor& x) const {
@@ -162,6 +180,7 @@ KVCache LlamaModel::new_cache(int64_t batch, int64_t capacity) const {
 }
 
 at::Tensor LlamaModel::forward_hidden(const ForwardBatch& batch, KVCache* cache) const {
+  ComputeLock turn;  // never beside the serving engine's step (see compute.h)
   const auto& c = config_;
   TORCH_CHECK(batch.tokens.dim() == 2, "forward: tokens must be [batch, steps], got ", batch.tokens.sizes());
   const int64_t B = batch.tokens.size(0), S = batch.tokens.size(1);
@@ -211,15 +230,7 @@ at::Tensor LlamaModel::forward_hidden(const ForwardBatch& batch, KVCache* cache)
   auto x = at::embedding(embed_, batch.tokens.to(device_));  // [B, S, hidden]
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const Layer& layer = layers_[l];
-    auto h = ops::rms_norm(x, layer.input_norm, c.rms_norm_eps);
-    auto qkv = layer.qkv(h);  // [B, S, (H + 2 Hkv) D]
-    auto q = qkv.narrow(-1, 0, H * D).view({B, S, H, D});
-    auto k = qkv.narrow(-1, H * D, Hkv * D).view({B, S, Hkv, D});
-    auto v = qkv.narrow(-1, (H + Hkv) * D, Hkv * D).view({B, S, Hkv, D});
-    if (c.qk_norm) {
-      q = ops::rms_norm(q, layer.q_norm, c.rms_norm_eps);
-      k = ops::rms_norm(k, layer.k_norm, c.rms_norm_eps);
-    }
+    auto [q, k, v] = project_qkv(layer, ops::rms_norm(x, layer.input_norm, c.rms_norm_eps));
     q = ops::apply_rope(q.transpose(1, 2), cos, sin);  // [B, H, S, D]
     k = ops::apply_rope(k.transpose(1, 2), cos, sin);  // [B, Hkv, S, D]
     v = v.transpose(1, 2);
@@ -242,16 +253,91 @@ at::Tensor LlamaModel::forward_hidden(const ForwardBatch& batch, KVCache* cache)
     auto attn = ops::attention(q, keys, values, mask, batch.prefixes, l, shared);  // [B, H, S, D]
     x = x + layer.o(attn.transpose(1, 2).reshape({B, S, H * D}));
 
-    h = ops::rms_norm(x, layer.post_norm, c.rms_norm_eps);
-    auto gate_up = layer.gate_up(h);
-    auto gate = gate_up.narrow(-1, 0, c.intermediate_size);
-    auto up = gate_up.narrow(-1, c.intermediate_size, c.intermediate_size);
-    x = x + layer.down(at::silu(gate) * up);
+    x = x + mlp(layer, x);
   }
   if (cache) {
     for (int64_t b = 0; b < B; ++b) cache->lengths[b] += num_new[b];
   }
   return ops::rms_norm(x, final_norm_, c.rms_norm_eps);
+}
+
+LlamaModel::Projections LlamaModel::project_qkv(const Layer& layer, const at::Tensor& h) const {
+  const auto& c = config_;
+  const int64_t H = c.num_heads, Hkv = c.num_kv_heads, D = c.head_dim;
+  auto qkv = layer.qkv(h);  // [..., (H + 2 Hkv) D]
+  auto lead = h.sizes().vec();
+  lead.pop_back();
+  auto shape = [&](int64_t heads) {
+    auto s = lead;
+    s.push_back(heads);
+    s.push_back(D);
+    return s;
+  };
+  auto q = qkv.narrow(-1, 0, H * D).view(shape(H));
+  auto k = qkv.narrow(-1, H * D, Hkv * D).view(shape(Hkv));
+  auto v = qkv.narrow(-1, (H + Hkv) * D, Hkv * D).view(shape(Hkv));
+  if (c.qk_norm) {
+    q = ops::rms_norm(q, layer.q_norm, c.rms_norm_eps);
+    k = ops::rms_norm(k, layer.k_norm, c.rms_norm_eps);
+  }
+  return {q, k, v};
+}
+
+at::Tensor LlamaModel::mlp(const Layer& layer, const at::Tensor& x) const {
+  const int64_t I = config_.intermediate_size;
+  auto gate_up = layer.gate_up(ops::rms_norm(x, layer.post_norm, config_.rms_norm_eps));
+  return layer.down(at::silu(gate_up.narrow(-1, 0, I)) * gate_up.narrow(-1, I, I));
+}
+
+at::Tensor LlamaModel::forward_packed(const PackedBatch& batch, KVPool& pool) const {
+  ComputeLock turn;
+  const auto& c = config_;
+  TORCH_CHECK(batch.tokens.dim() == 1, "forward_packed: tokens must be [N]");
+  TORCH_CHECK(static_cast<int64_t>(pool.keys.size()) == c.num_layers, "forward_packed: pool has ",
+              pool.keys.size(), " layers, the model ", c.num_layers);
+  const int64_t N = batch.tokens.size(0);
+  std::vector<int64_t> positions, slots, last;
+  positions.reserve(N);
+  slots.reserve(N);
+  for (const auto& s : batch.sequences) {
+    TORCH_CHECK(s.num_new >= 1 && s.past >= 0, "forward_packed: a sequence needs at least one new token");
+    TORCH_CHECK(s.kv_offset >= 0 && s.kv_offset + s.past + s.num_new <= pool.capacity(),
+                "forward_packed: a sequence's slots lie outside the pool");
+    int64_t prefix_len = 0;
+    for (const auto& p : s.prefixes) {
+      TORCH_CHECK(p && static_cast<int64_t>(p->keys.size()) == c.num_layers,
+                  "forward_packed: a prefix must hold keys and values for each of the ", c.num_layers, " layers");
+      prefix_len += p->num_tokens();
+    }
+    for (int64_t j = 0; j < s.num_new; ++j) {
+      positions.push_back(prefix_len + s.past + j);
+      slots.push_back(s.kv_offset + s.past + j);
+    }
+    if (s.logits) last.push_back(static_cast<int64_t>(positions.size()) - 1);
+  }
+  TORCH_CHECK(static_cast<int64_t>(positions.size()) == N, "forward_packed: tokens hold ", N,
+              " entries, the sequences ", positions.size());
+
+  const auto layout = ops::packed_layout(batch, device_);
+  auto pos = at::tensor(positions, at::kLong).view({1, N}).to(device_);
+  auto [cos, sin] = ops::rope_cos_sin(inv_freq_, pos, dtype_);  // [1, 1, N, D]
+  auto slot_index = at::tensor(slots, at::kLong).to(device_);
+
+  auto x = at::embedding(embed_, batch.tokens.to(device_));  // [N, hidden]
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const Layer& layer = layers_[l];
+    auto [q, k, v] = project_qkv(layer, ops::rms_norm(x, layer.input_norm, c.rms_norm_eps));  // [N, heads, D]
+    q = ops::apply_rope(q.transpose(0, 1).unsqueeze(0), cos, sin).squeeze(0).transpose(0, 1);
+    k = ops::apply_rope(k.transpose(0, 1).unsqueeze(0), cos, sin).squeeze(0).transpose(0, 1);
+    pool.keys[l].index_copy_(0, slot_index, k.contiguous());
+    pool.values[l].index_copy_(0, slot_index, v.contiguous());
+    auto attn = ops::packed_attention(q, pool.keys[l], pool.values[l], batch, layout, l);  // [N, H, D]
+    x = x + layer.o(attn.reshape({N, -1}));
+    x = x + mlp(layer, x);
+  }
+  if (last.empty()) return at::empty({0, c.vocab_size}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  auto rows = at::tensor(last, at::kLong).to(device_);
+  return logits(ops::rms_norm(x.index_select(0, rows), final_norm_, c.rms_norm_eps));
 }
 
 at::Tensor LlamaModel::logits(const at::Tensor& hidden) const {

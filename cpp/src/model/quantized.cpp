@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace cartridges {
@@ -145,7 +146,7 @@ using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, const float*, int64_t,
 
 template <BlockFormat F>
 RowsFn pick_rows(int64_t rows) {
-  static constexpr RowsFn table[kMaxQuantizedRows] = {avx2_rows<F, 1>, avx2_rows<F, 2>, avx2_rows<F, 3>,
+  static constexpr RowsFn table[kQuantizedRowGroup] = {avx2_rows<F, 1>, avx2_rows<F, 2>, avx2_rows<F, 3>,
                                                       avx2_rows<F, 4>, avx2_rows<F, 5>, avx2_rows<F, 6>,
                                                       avx2_rows<F, 7>, avx2_rows<F, 8>};
   return table[rows - 1];
@@ -183,14 +184,23 @@ at::Tensor quantized_linear(const at::Tensor& x, const QuantizedMatrix& w) {
   const float* xp = flat.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const bool avx2 = has_avx2();
-  const RowsFn kernel = avx2 ? avx2_kernel(w.format, rows) : nullptr;
   // Output features are independent: split them across threads in chunks that keep each
-  // thread streaming through whole rows of weights.
+  // thread streaming through whole rows of weights. Within a chunk, a tile of weight rows
+  // (a few KiB, in L1/L2) serves every group of input rows before the next tile is read.
+  constexpr int64_t kTile = 16;
   at::parallel_for(0, out, /*grain_size=*/64, [&](int64_t begin, int64_t end) {
-    if (kernel) {
-      kernel(wp, row_bytes, blocks, xp, in, yp, out, begin, end);
-    } else {
-      scalar_rows(w.format, wp, row_bytes, blocks, xp, rows, in, yp, out, begin, end);
+    for (int64_t tile = begin; tile < end; tile += kTile) {
+      const int64_t tile_end = std::min(tile + kTile, end);
+      for (int64_t r0 = 0; r0 < rows; r0 += kQuantizedRowGroup) {
+        const int64_t group = std::min(kQuantizedRowGroup, rows - r0);
+        const float* xg = xp + r0 * in;
+        float* yg = yp + r0 * out;
+        if (avx2) {
+          avx2_kernel(w.format, group)(wp, row_bytes, blocks, xg, in, yg, out, tile, tile_end);
+        } else {
+          scalar_rows(w.format, wp, row_bytes, blocks, xg, group, in, yg, out, tile, tile_end);
+        }
+      }
     }
   });
   auto shape = x.sizes().vec();

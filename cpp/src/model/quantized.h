@@ -26,9 +26,12 @@ struct QuantizedMatrix {
   int64_t out_features() const { return data.size(0); }
 };
 
-// Largest number of input rows the quantized kernel handles; larger inputs (prefill) are
-// faster as one float32 GEMM.
-constexpr int64_t kMaxQuantizedRows = 8;
+// Input rows one pass of the kernel keeps in registers; more rows are taken in groups of
+// this many, each group re-reading a small tile of weights from cache, not from memory.
+constexpr int64_t kQuantizedRowGroup = 8;
+// Largest number of input rows the quantized kernel handles (decoding up to this many
+// requests at once); larger inputs (prefill) are faster as one float32 GEMM.
+constexpr int64_t kMaxQuantizedRows = 32;
 
 // y [..., out] = x [..., in] @ W^T for float32 CPU x with at most kMaxQuantizedRows rows.
 at::Tensor quantized_linear(const at::Tensor& x, const QuantizedMatrix& w);

@@ -3,7 +3,8 @@ chunk in context; B's top-k log-probabilities per answer token are the teacher's
 
 Conversations of one batch share their chunk: the tokens their prompts have in common (the
 system prompt holding the chunk) are run once into a KV prefix that every row reuses, for
-A's generation, B's generation and the teacher's scoring alike.
+A's generation and B's alike. Both run on the model's serving engine as background requests
+(interactive chat goes first); B's top-k log-probabilities come with its tokens.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Synthesizer:
     def __init__(self, model, config: TrainConfig) -> None:
         self.model = model
         self.core = core_model(model)
+        self.engine = model.engine
         self.tok = model.tokenizer
         self.config = config
         self.stop = list(self.tok.eos_token_ids)
@@ -83,32 +85,21 @@ class Synthesizer:
         ]
         return list(self.tok.encode_chat(messages, add_generation_prompt=True))
 
-    def _generate(self, prompts, params, prefix):
-        """Generate with the longest shared part of the prompts taken from `prefix` (the KV of
-        tokens every prompt starts with). Returns the results and the prefix used."""
-        shared = min(common_prefix_len(prompts), prefix[1], min(len(p) for p in prompts) - 1)
-        kv = slice_prefix(prefix[0], shared) if shared > 0 else None
-        rows = [p[shared:] for p in prompts]
-        results = cartridges_core.generate(self.core, rows, params, [[kv]] * len(rows) if kv else None)
-        return results, (kv, shared)
-
-    def _teacher_topk(self, prompts, answers, prefix) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """B's top-k log-probabilities at each answer token, with the chunk in context."""
-        kv, shared = prefix
-        shared = min(shared, min(len(p) for p in prompts) - 1)
-        kv = slice_prefix(kv, shared) if kv is not None and shared > 0 else None
-        rows = [p[shared:] + a for p, a in zip(prompts, answers)]
-        tokens, lengths = _pad(rows)
-        k = self.config.top_k
-        out = []
-        with torch.no_grad():
-            hidden = self.core.forward_hidden(tokens, lengths, None, [[kv]] * len(rows) if kv else None)
-            for i, (p, a) in enumerate(zip(prompts, answers)):
-                start = len(p) - shared - 1  # the position that predicts a[0]
-                logprobs = torch.log_softmax(self.core.logits(hidden[i, start : start + len(a)]), -1)
-                values, ids = logprobs.topk(min(k, logprobs.shape[-1]), -1)
-                out.append((ids.contiguous(), values.float().contiguous()))
-        return out
+    def _generate(self, prompts, prefix, seeds: list[int], sampling: dict, logprobs: int = 0):
+        """Generate on the model's engine (as background work), with the longest shared part
+        of the prompts taken from `prefix` (the KV of tokens every prompt starts with)."""
+        kv, available = prefix
+        shared = min(common_prefix_len(prompts), available, min(len(p) for p in prompts) - 1)
+        prefixes = [slice_prefix(kv, shared)] if shared > 0 else []
+        streams = self.engine.submit_many(
+            [p[shared:] for p in prompts], prefixes=[prefixes] * len(prompts), seeds=seeds,
+            stop_token_ids=self.stop, logprobs=logprobs, priority="background", **sampling,
+        )
+        try:
+            return [s.result() for s in streams]
+        finally:
+            for stream in streams:
+                stream.close()
 
     def batch(self, corpus: Corpus, rng: random.Random, n: int) -> list[Conversation]:
         cfg = self.config
@@ -119,36 +110,35 @@ class Synthesizer:
         # The chunk's KV, computed once for the whole batch.
         shared = min(common_prefix_len(a_prompts), min(len(p) for p in a_prompts) - 1)
         kv = self.core.prefix_from_tokens(torch.tensor(a_prompts[0][:shared], dtype=torch.long))
-        a_params = [
-            cartridges_core.SamplingParams(
-                temperature=cfg.question_temperature, seed=rng.getrandbits(31),
-                max_new_tokens=cfg.max_question_tokens, stop_token_ids=self.stop,
-            )
-            for _ in range(n)
-        ]
-        a_results, _ = self._generate(a_prompts, a_params, (kv, shared))
+        a_seeds = [rng.getrandbits(31) for _ in range(n)]
+        a_params = dict(temperature=cfg.question_temperature, max_new_tokens=cfg.max_question_tokens)
+        a_results = self._generate(a_prompts, (kv, shared), a_seeds, a_params)
         questions = []
-        for (_, seed_text), (tokens, _) in zip(seeds, a_results):
-            text = self.tok.decode([t for t in tokens if t not in self.stop]).strip()
+        for (_, seed_text), result in zip(seeds, a_results):
+            text = self.tok.decode([t for t in result.tokens if t not in self.stop]).strip()
             questions.append(text or seed_text)
 
         b_prompts = [self.prompt(chunk_text, q) for q in questions]
-        b_params = [
-            cartridges_core.SamplingParams(
-                temperature=cfg.answer_temperature, seed=rng.getrandbits(31),
-                max_new_tokens=cfg.max_answer_tokens, stop_token_ids=self.stop,
-            )
-            for _ in range(n)
-        ]
+        b_seeds = [rng.getrandbits(31) for _ in range(n)]
+        b_params = dict(temperature=cfg.answer_temperature, max_new_tokens=cfg.max_answer_tokens)
         # Check the B prompts really start with the tokens the chunk's KV was made from.
         b_shared = min(shared, common_prefix_len([*b_prompts, a_prompts[0][:shared]]))
-        b_results, b_prefix = self._generate(b_prompts, b_params, (kv, b_shared))
-        answers = [list(tokens) for tokens, _ in b_results]
-        topk = self._teacher_topk(b_prompts, answers, b_prefix)
+        # The teacher's top-k come with B's answer: the log-probabilities of each answer token's
+        # distribution, taken while generating (no second forward pass).
+        b_results = self._generate(b_prompts, (kv, b_shared), b_seeds, b_params, logprobs=cfg.top_k)
+        answers = [list(r.tokens) for r in b_results]
+        topk = [_topk_tensors(r.logprobs) for r in b_results]
         return [
             Conversation(kind, chunk_text, q, a, ids, lp)
             for (kind, _), q, a, (ids, lp) in zip(seeds, questions, answers, topk)
         ]
+
+
+def _topk_tensors(logprobs) -> tuple[torch.Tensor, torch.Tensor]:
+    """[len, K] ids (int64) and log-probabilities (float32) of the teacher's top-k per token."""
+    ids = torch.tensor([[t for t, _ in lp.top] for lp in logprobs], dtype=torch.long)
+    values = torch.tensor([[v for _, v in lp.top] for lp in logprobs], dtype=torch.float32)
+    return ids.contiguous(), values.contiguous()
 
 
 def synthesize(

@@ -1,0 +1,362 @@
+// The engine's compute thread: each step takes cancels, admits waiting requests, runs one
+// packed forward (a decode token for every running request plus prompt chunks), samples and
+// hands the events to whoever polls.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <set>
+#include <thread>
+
+#include "cartridges/compute.h"
+#include "cartridges/engine.h"
+#include "engine/scheduler.h"
+
+namespace cartridges {
+
+namespace {
+
+int64_t prefix_tokens(const PrefixList& prefixes) {
+  int64_t n = 0;
+  for (const auto& p : prefixes) n += p->num_tokens();
+  return n;
+}
+
+bool is_stop(const SamplingParams& params, int64_t token) {
+  return std::find(params.stop_token_ids.begin(), params.stop_token_ids.end(), token) != params.stop_token_ids.end();
+}
+
+}  // namespace
+
+// A request as the compute thread sees it. Only the compute thread touches it after submit.
+struct Live {
+  int64_t id;
+  Request request;
+  Sampler sampler;
+  std::vector<int64_t> generated;
+  int64_t in_pool = 0;  // own tokens whose K/V are in the pool
+};
+
+class EngineImpl {
+ public:
+  EngineImpl(std::shared_ptr<const LlamaModel> model, EngineOptions options)
+      : model_(std::move(model)),
+        options_(options),
+        scheduler_({options.kv_tokens, options.max_running, options.prefill_tokens_per_step, options.max_waiting}),
+        pool_(model_->config(), options.kv_tokens, model_->options()),
+        cartridges_(options.cartridge_cache_bytes) {
+    thread_ = std::thread([this] { run(); });
+  }
+
+  ~EngineImpl() { shutdown(); }
+
+  std::vector<int64_t> submit_all(std::vector<Request> requests) {
+    std::vector<Sampler> samplers;
+    for (const auto& r : requests) samplers.push_back(check(r));
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_) throw EngineStoppedError("the engine has shut down");
+    std::vector<int64_t> ids;
+    try {
+      for (size_t i = 0; i < requests.size(); ++i) {
+        const int64_t id = next_id_;
+        const int64_t prompt = static_cast<int64_t>(requests[i].prompt.size());
+        scheduler_.enqueue(id, requests[i].priority, prompt, prompt + requests[i].params.max_new_tokens);
+        ++next_id_;
+        ids.push_back(id);
+        lives_.emplace(id, std::make_unique<Live>(Live{id, std::move(requests[i]), std::move(samplers[i]), {}, 0}));
+      }
+    } catch (...) {
+      for (auto id : ids) end_quietly(id);  // all or none
+      throw;
+    }
+    work_.notify_one();
+    return ids;
+  }
+
+  int64_t submit(Request request) {
+    std::vector<Request> one;
+    one.push_back(std::move(request));
+    return submit_all(std::move(one))[0];
+  }
+
+  // Raises for a request that can never run; returns its sampler.
+  Sampler check(const Request& request) const {
+    TORCH_CHECK(!request.prompt.empty(), "a request needs a non-empty prompt");
+    const auto& c = model_->config();
+    for (auto t : request.prompt) TORCH_CHECK(t >= 0 && t < c.vocab_size, "token id ", t, " is outside the vocabulary");
+    for (const auto& p : request.prefixes) {
+      TORCH_CHECK(p && static_cast<int64_t>(p->keys.size()) == c.num_layers, "a cartridge must hold keys and values "
+                  "for each of the model's ", c.num_layers, " layers");
+      TORCH_CHECK(p->keys[0].size(0) == c.num_kv_heads && p->keys[0].size(2) == c.head_dim,
+                  "a cartridge's KV shape does not match the model");
+    }
+    const int64_t prompt = static_cast<int64_t>(request.prompt.size());
+    const int64_t needed = prefix_tokens(request.prefixes) + prompt + request.params.max_new_tokens;
+    if (needed > c.max_position_embeddings) {
+      throw ContextLengthError("the request needs " + std::to_string(needed) + " tokens (cartridges " +
+                               std::to_string(prefix_tokens(request.prefixes)) + " + prompt " + std::to_string(prompt) +
+                               " + max tokens " + std::to_string(request.params.max_new_tokens) +
+                               "), more than the model's context of " + std::to_string(c.max_position_embeddings));
+    }
+    return Sampler(request.params);  // checks the sampling parameters
+  }
+
+  bool cancel(int64_t id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!lives_.count(id)) return false;
+    cancels_.insert(id);
+    work_.notify_one();
+    return true;
+  }
+
+  std::vector<Event> poll(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(events_mutex_);
+    events_ready_.wait_for(lock, timeout, [&] { return !events_.empty() || drained_; });
+    std::vector<Event> out;
+    out.swap(events_);
+    return out;
+  }
+
+  EngineStats stats() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    EngineStats s = counters_;
+    s.running = scheduler_.running();
+    s.waiting = scheduler_.waiting();
+    s.kv_tokens_used = scheduler_.kv_used();
+    s.kv_tokens_total = options_.kv_tokens;
+    s.kv_bytes = pool_.nbytes();
+    s.cartridges = cartridges_.stats();
+    return s;
+  }
+
+  void shutdown() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+      work_.notify_one();
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+  bool running() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return !stopping_;
+  }
+
+  const EngineOptions& options() const { return options_; }
+  const LlamaModel& model() const { return *model_; }
+  CartridgeCache& cartridges() { return cartridges_; }
+
+ private:
+  void run() {
+    if (options_.num_threads > 0) at::set_num_threads(options_.num_threads);
+    std::vector<Event> events;
+    for (;;) {
+      StepPlan plan;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        work_.wait(lock, [&] { return stopping_ || !cancels_.empty() || scheduler_.running() + scheduler_.waiting() > 0; });
+        if (stopping_) {
+          for (auto& [id, live] : lives_) events.push_back(finished(id, "cancelled"));
+          counters_.cancelled += static_cast<int64_t>(lives_.size());
+          lives_.clear();
+          publish(events, /*last=*/true);
+          return;
+        }
+        for (auto id : cancels_) {
+          if (lives_.count(id)) {
+            end(id, "cancelled", events);
+            ++counters_.cancelled;
+          }
+        }
+        cancels_.clear();
+        plan = scheduler_.plan();
+      }
+      if (!plan.empty()) step(plan, events);
+      publish(events, /*last=*/false);
+    }
+  }
+
+  // Runs one forward over the plan and samples; appends the events.
+  void step(const StepPlan& plan, std::vector<Event>& events) {
+    PackedBatch batch;
+    std::vector<int64_t> tokens;
+    std::vector<Live*> rows;          // per sequence
+    std::vector<int64_t> chunk_sizes;  // per sequence: prompt tokens of this step, 0 when decoding
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto add = [&](int64_t id, int64_t chunk) {
+        Live* live = lives_.at(id).get();
+        const Scheduled* s = scheduler_.find(id);
+        PackedSequence seq;
+        seq.kv_offset = s->kv_offset;
+        seq.past = live->in_pool;
+        seq.prefixes = live->request.prefixes;
+        if (chunk == 0) {
+          seq.num_new = 1;
+          tokens.push_back(live->generated.back());
+        } else {
+          seq.num_new = chunk;
+          const auto& prompt = live->request.prompt;
+          tokens.insert(tokens.end(), prompt.begin() + s->prefilled, prompt.begin() + s->prefilled + chunk);
+          seq.logits = s->prefilled + chunk == s->prompt_tokens;
+        }
+        batch.sequences.push_back(std::move(seq));
+        rows.push_back(live);
+        chunk_sizes.push_back(chunk);
+      };
+      for (auto id : plan.decode) add(id, 0);
+      for (auto [id, chunk] : plan.prefill) add(id, chunk);
+    }
+    batch.tokens = at::tensor(tokens, at::kLong);
+
+    at::Tensor logits;
+    std::string failure;
+    try {
+      ComputeLock turn;
+      logits = model_->forward_packed(batch, pool_).to(at::kCPU);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++counters_.steps;
+    int64_t row = 0;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      Live* live = rows[i];
+      const auto& seq = batch.sequences[i];
+      if (!failure.empty()) {
+        events.push_back(finished(live->id, "error", failure));
+        end_quietly(live->id);
+        continue;
+      }
+      live->in_pool += seq.num_new;
+      if (chunk_sizes[i] > 0) {
+        scheduler_.prefilled(live->id, chunk_sizes[i]);
+        counters_.prompt_tokens += chunk_sizes[i];
+      }
+      if (!seq.logits) continue;
+      sample_into(*live, logits[row++], events);
+    }
+  }
+
+  void sample_into(Live& live, const at::Tensor& logits, std::vector<Event>& events) {
+    const auto& params = live.request.params;
+    Event e;
+    e.request = live.id;
+    e.token = live.sampler.sample(logits);
+    if (params.logprobs > 0) {
+      auto logprobs = at::log_softmax(logits, -1);
+      e.logprob = logprobs[e.token].item<float>();
+      auto [values, ids] = logprobs.topk(std::min<int64_t>(params.logprobs, logprobs.size(0)));
+      e.top_ids.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+      e.top_logprobs.assign(values.data_ptr<float>(), values.data_ptr<float>() + values.numel());
+    }
+    live.generated.push_back(e.token);
+    ++counters_.generated_tokens;
+    const int64_t id = live.id, token = e.token;
+    events.push_back(std::move(e));
+    if (is_stop(params, token)) {
+      end(id, "stop", events);
+    } else if (static_cast<int64_t>(live.generated.size()) >= params.max_new_tokens) {
+      end(id, "length", events);
+    }
+  }
+
+  // Under mutex_: the request ends; its KV range is free at once.
+  void end(int64_t id, const std::string& reason, std::vector<Event>& events) {
+    events.push_back(finished(id, reason));
+    end_quietly(id);
+    if (reason != "cancelled") ++counters_.finished;
+  }
+
+  void end_quietly(int64_t id) {
+    scheduler_.finish(id);
+    lives_.erase(id);
+  }
+
+  static Event finished(int64_t id, const std::string& reason, const std::string& error = {}) {
+    Event e;
+    e.request = id;
+    e.kind = Event::Kind::kFinished;
+    e.finish_reason = reason;
+    e.error = error;
+    return e;
+  }
+
+  void publish(std::vector<Event>& events, bool last) {
+    if (events.empty() && !last) return;
+    {
+      std::lock_guard<std::mutex> lock(events_mutex_);
+      events_.insert(events_.end(), std::make_move_iterator(events.begin()), std::make_move_iterator(events.end()));
+      if (last) drained_ = true;
+    }
+    events.clear();
+    events_ready_.notify_all();
+  }
+
+  std::shared_ptr<const LlamaModel> model_;
+  EngineOptions options_;
+
+  mutable std::mutex mutex_;  // guards everything below up to the events
+  std::condition_variable work_;
+  Scheduler scheduler_;
+  std::unordered_map<int64_t, std::unique_ptr<Live>> lives_;
+  std::set<int64_t> cancels_;
+  int64_t next_id_ = 0;
+  bool stopping_ = false;
+  EngineStats counters_;
+
+  KVPool pool_;  // only the compute thread reads or writes it
+  CartridgeCache cartridges_;
+
+  std::mutex events_mutex_;
+  std::condition_variable events_ready_;
+  std::vector<Event> events_;
+  bool drained_ = false;
+
+  std::thread thread_;
+};
+
+Engine::Engine(std::shared_ptr<const LlamaModel> model, EngineOptions options)
+    : impl_(std::make_unique<EngineImpl>(std::move(model), options)) {}
+Engine::~Engine() = default;
+int64_t Engine::submit(Request request) { return impl_->submit(std::move(request)); }
+std::vector<int64_t> Engine::submit_all(std::vector<Request> requests) {
+  return impl_->submit_all(std::move(requests));
+}
+bool Engine::cancel(int64_t id) { return impl_->cancel(id); }
+std::vector<Event> Engine::poll(std::chrono::milliseconds timeout) { return impl_->poll(timeout); }
+EngineStats Engine::stats() const { return impl_->stats(); }
+CartridgeCache& Engine::cartridges() { return impl_->cartridges(); }
+const EngineOptions& Engine::options() const { return impl_->options(); }
+const LlamaModel& Engine::model() const { return impl_->model(); }
+void Engine::shutdown() { impl_->shutdown(); }
+bool Engine::running() const { return impl_->running(); }
+
+std::vector<GenerationResult> generate_all(Engine& engine, const std::vector<Request>& requests) {
+  std::unordered_map<int64_t, size_t> index;
+  const auto ids = engine.submit_all(requests);
+  for (size_t i = 0; i < ids.size(); ++i) index[ids[i]] = i;
+  std::vector<GenerationResult> results(requests.size());
+  size_t done = 0;
+  while (done < requests.size()) {
+    auto events = engine.poll(std::chrono::milliseconds(100));
+    if (events.empty() && !engine.running()) throw EngineStoppedError("the engine stopped before the requests ended");
+    for (const auto& e : events) {
+      auto it = index.find(e.request);
+      if (it == index.end()) continue;
+      auto& r = results[it->second];
+      if (e.kind == Event::Kind::kToken) {
+        r.tokens.push_back(e.token);
+      } else {
+        if (e.finish_reason == "error") throw std::runtime_error("generation failed: " + e.error);
+        r.finish_reason = e.finish_reason;
+        ++done;
+      }
+    }
+  }
+  return results;
+}
+
+}  // namespace cartridges

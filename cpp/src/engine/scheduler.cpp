@@ -1,0 +1,106 @@
+#include "engine/scheduler.h"
+
+#include <algorithm>
+#include <string>
+
+namespace cartridges {
+
+Scheduler::Scheduler(SchedulerOptions options) : options_(options), allocator_(options.kv_tokens) {
+  TORCH_CHECK(options.max_running > 0, "max_running must be positive");
+  TORCH_CHECK(options.prefill_tokens_per_step > 0, "prefill_tokens_per_step must be positive");
+  TORCH_CHECK(options.max_waiting >= 0, "max_waiting must not be negative");
+}
+
+void Scheduler::enqueue(int64_t id, Priority priority, int64_t prompt_tokens, int64_t reserve) {
+  TORCH_CHECK(prompt_tokens > 0 && reserve >= prompt_tokens, "a request needs a prompt and room for it");
+  if (reserve > options_.kv_tokens) {
+    throw ContextLengthError("the request needs " + std::to_string(reserve) +
+                             " KV tokens (prompt + max tokens), more than the engine's whole KV pool of " +
+                             std::to_string(options_.kv_tokens) + " tokens");
+  }
+  if (waiting() >= options_.max_waiting) {
+    throw EngineBusyError("the engine is busy: " + std::to_string(waiting()) +
+                          " requests are already waiting; try again later");
+  }
+  Scheduled s;
+  s.id = id;
+  s.priority = priority;
+  s.prompt_tokens = prompt_tokens;
+  s.reserve = reserve;
+  s.arrival = arrivals_++;
+  waiting_[static_cast<int>(priority)].push_back(s);
+}
+
+void Scheduler::admit() {
+  for (auto& queue : waiting_) {
+    while (!queue.empty()) {
+      if (running() >= options_.max_running) return;
+      auto offset = allocator_.allocate(queue.front().reserve);
+      if (!offset) return;  // the head waits for room; nothing jumps ahead of it
+      Scheduled s = queue.front();
+      queue.pop_front();
+      s.kv_offset = *offset;
+      running_.emplace(s.id, s);
+    }
+  }
+}
+
+StepPlan Scheduler::plan() {
+  admit();
+  StepPlan plan;
+  std::vector<const Scheduled*> prefilling;
+  for (const auto& [id, s] : running_) {
+    if (s.prefill_done()) {
+      plan.decode.push_back(id);
+    } else {
+      prefilling.push_back(&s);
+    }
+  }
+  std::sort(prefilling.begin(), prefilling.end(), [](const Scheduled* a, const Scheduled* b) {
+    return a->priority != b->priority ? a->priority < b->priority : a->arrival < b->arrival;
+  });
+  int64_t budget = options_.prefill_tokens_per_step;
+  for (const Scheduled* s : prefilling) {
+    if (budget == 0) break;
+    const int64_t chunk = std::min(budget, s->prompt_tokens - s->prefilled);
+    plan.prefill.emplace_back(s->id, chunk);
+    budget -= chunk;
+  }
+  return plan;
+}
+
+void Scheduler::prefilled(int64_t id, int64_t tokens) {
+  auto it = running_.find(id);
+  TORCH_INTERNAL_ASSERT(it != running_.end() && it->second.prefilled + tokens <= it->second.prompt_tokens);
+  it->second.prefilled += tokens;
+}
+
+bool Scheduler::finish(int64_t id) {
+  if (auto it = running_.find(id); it != running_.end()) {
+    allocator_.release(it->second.kv_offset, it->second.reserve);
+    running_.erase(it);
+    return true;
+  }
+  for (auto& queue : waiting_) {
+    auto it = std::find_if(queue.begin(), queue.end(), [&](const Scheduled& s) { return s.id == id; });
+    if (it != queue.end()) {
+      queue.erase(it);
+      return true;
+    }
+  }
+  return false;
+}
+
+const Scheduled* Scheduler::find(int64_t id) const {
+  if (auto it = running_.find(id); it != running_.end()) return &it->second;
+  for (const auto& queue : waiting_) {
+    for (const auto& s : queue) {
+      if (s.id == id) return &s;
+    }
+  }
+  return nullptr;
+}
+
+bool Scheduler::is_running(int64_t id) const { return running_.count(id) > 0; }
+
+}  // namespace cartridges

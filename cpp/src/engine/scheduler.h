@@ -1,0 +1,77 @@
+#pragma once
+// The engine's policy, without tensors: which waiting requests start (their KV range is
+// reserved from the pool), and what each step computes — one decode token for every running
+// request whose prompt is in, plus prompt chunks within the per-step prefill budget.
+// Interactive requests go before background ones; within a priority, first come first served.
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "cartridges/engine.h"
+#include "engine/kv_pool.h"
+
+namespace cartridges {
+
+struct SchedulerOptions {
+  int64_t kv_tokens = 32768;
+  int64_t max_running = 64;
+  int64_t prefill_tokens_per_step = 512;
+  int64_t max_waiting = 1024;
+};
+
+struct Scheduled {
+  int64_t id = 0;
+  Priority priority = Priority::kInteractive;
+  int64_t prompt_tokens = 0;  // to prefill
+  int64_t reserve = 0;        // KV slots held while running (prompt + output)
+  int64_t arrival = 0;
+  // Running state.
+  int64_t kv_offset = -1;
+  int64_t prefilled = 0;  // prompt tokens already in the KV pool
+
+  bool prefill_done() const { return prefilled == prompt_tokens; }
+};
+
+struct StepPlan {
+  std::vector<int64_t> decode;                         // running requests decoding one token
+  std::vector<std::pair<int64_t, int64_t>> prefill;    // (request, prompt tokens this step)
+  bool empty() const { return decode.empty() && prefill.empty(); }
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(SchedulerOptions options);
+
+  // Adds a waiting request. ContextLengthError when `reserve` exceeds the whole pool (it could
+  // never start); EngineBusyError when the waiting queue is full.
+  void enqueue(int64_t id, Priority priority, int64_t prompt_tokens, int64_t reserve);
+  // Starts the waiting requests that fit, in priority order (stopping at the first that does
+  // not, so that a large request is not starved by smaller ones behind it), then plans a step.
+  StepPlan plan();
+  // After a step: `tokens` more prompt tokens of `id` are in the pool.
+  void prefilled(int64_t id, int64_t tokens);
+  // Removes a waiting or running request; a running one gives its KV range back at once.
+  // False when unknown.
+  bool finish(int64_t id);
+
+  const Scheduled* find(int64_t id) const;
+  bool is_running(int64_t id) const;
+  int64_t running() const { return static_cast<int64_t>(running_.size()); }
+  int64_t waiting() const { return static_cast<int64_t>(waiting_[0].size() + waiting_[1].size()); }
+  int64_t kv_used() const { return allocator_.used(); }
+  const SchedulerOptions& options() const { return options_; }
+
+ private:
+  void admit();
+
+  SchedulerOptions options_;
+  KVRangeAllocator allocator_;
+  int64_t arrivals_ = 0;
+  std::deque<Scheduled> waiting_[2];    // by priority
+  std::map<int64_t, Scheduled> running_;  // by id
+};
+
+}  // namespace cartridges

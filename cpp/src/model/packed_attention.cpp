@@ -1,0 +1,278 @@
+#include "model/packed_attention.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <limits>
+#include <map>
+
+namespace cartridges::ops {
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Merges partial result `b` (for rows `rows` of `into`) into `into`.
+void merge_rows(PartialAttention& into, const at::Tensor& rows, const PartialAttention& b) {
+  auto m_a = into.m.index_select(0, rows), l_a = into.l.index_select(0, rows), o_a = into.o.index_select(0, rows);
+  auto m = at::maximum(m_a, b.m);
+  auto scale_a = at::exp(m_a - m), scale_b = at::exp(b.m - m);
+  into.m.index_copy_(0, rows, m);
+  into.l.index_copy_(0, rows, l_a * scale_a + b.l * scale_b);
+  into.o.index_copy_(0, rows, o_a * scale_a.unsqueeze(-1) + b.o * scale_b.unsqueeze(-1));
+}
+
+// Partial attention of q [Hkv, R, D] (float, scaled) over scores-producing segments; the
+// caller reshapes. scores: [Hkv, R, T] with -inf where masked.
+PartialAttention softmax_parts(const at::Tensor& scores, const std::vector<at::Tensor>& value_parts,
+                               const std::vector<int64_t>& lengths) {
+  auto m = std::get<0>(scores.max(-1));        // [Hkv, R]
+  auto safe_m = at::where(at::isinf(m), at::zeros_like(m), m);  // rows that see nothing stay 0
+  auto e = at::exp(scores - safe_m.unsqueeze(-1));
+  auto l = e.sum(-1);
+  at::Tensor o;
+  int64_t offset = 0;
+  for (size_t i = 0; i < value_parts.size(); ++i) {
+    auto part = at::matmul(e.narrow(-1, offset, lengths[i]), value_parts[i]);  // [Hkv, R, D]
+    o = o.defined() ? o + part : part;
+    offset += lengths[i];
+  }
+  return {o, safe_m, l};
+}
+
+// [Hkv, R*G, X] (rows ordered r-major within each kv head) -> [R, Hkv*G, X], and back.
+at::Tensor heads_last(const at::Tensor& t, int64_t rows, int64_t groups) {
+  const auto kv = t.size(0);
+  auto shaped = t.view({kv, rows, groups, -1}).permute({1, 0, 2, 3});  // [R, Hkv, G, X]
+  return shaped.reshape({rows, kv * groups, -1});
+}
+at::Tensor heads_first(const at::Tensor& t, int64_t kv_heads) {
+  const auto rows = t.size(0), groups = t.size(1) / kv_heads;
+  return t.view({rows, kv_heads, groups, -1}).permute({1, 0, 2, 3}).reshape({kv_heads, rows * groups, -1});
+}
+
+// Own-KV attention of a multi-token sequence (prefill chunk), causal within its range.
+PartialAttention prefill_part(const at::Tensor& q_seq, const at::Tensor& keys, const at::Tensor& values,
+                              const PackedSequence& s) {
+  const int64_t n = q_seq.size(0), kv = keys.size(1), groups = q_seq.size(1) / kv, total = s.past + n;
+  auto k = keys.narrow(0, s.kv_offset, total).transpose(0, 1).to(at::kFloat);    // [Hkv, T, D]
+  auto v = values.narrow(0, s.kv_offset, total).transpose(0, 1).to(at::kFloat);  // [Hkv, T, D]
+  auto qg = heads_first(q_seq, kv);                                              // [Hkv, n*G, D]
+  auto scores = at::matmul(qg, k.transpose(-1, -2)).view({kv, n, groups, total});
+  auto rows = at::arange(n, at::TensorOptions().dtype(at::kLong).device(q_seq.device())).view({n, 1});
+  auto cols = at::arange(total, at::TensorOptions().dtype(at::kLong).device(q_seq.device())).view({1, total});
+  auto hidden = (cols > rows + s.past).view({1, n, 1, total});
+  scores = scores.masked_fill(hidden, kNegInf).view({kv, n * groups, total});
+  auto part = softmax_parts(scores, {v}, {total});
+  return {heads_last(part.o, n, groups), heads_last(part.m.unsqueeze(-1), n, groups).squeeze(-1),
+          heads_last(part.l.unsqueeze(-1), n, groups).squeeze(-1)};
+}
+
+// Own-KV attention of one-token sequences on any device: their ranges gathered, padded.
+PartialAttention decode_part_gathered(const at::Tensor& q_rows, const at::Tensor& keys, const at::Tensor& values,
+                                      const std::vector<int64_t>& offsets, const std::vector<int64_t>& lengths) {
+  const int64_t rows = q_rows.size(0), kv = keys.size(1), groups = q_rows.size(1) / kv;
+  const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+  auto slot = at::empty({rows, longest}, at::kLong);
+  auto valid = at::empty({rows, longest}, at::kBool);
+  auto sp = slot.accessor<int64_t, 2>();
+  auto vp = valid.accessor<bool, 2>();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t t = 0; t < longest; ++t) {
+      sp[r][t] = offsets[r] + std::min(t, lengths[r] - 1);
+      vp[r][t] = t < lengths[r];
+    }
+  }
+  const auto device = q_rows.device();
+  auto flat = slot.flatten().to(device);
+  auto k = keys.index_select(0, flat).view({rows, longest, kv, -1}).permute({0, 2, 3, 1}).to(at::kFloat);  // [R,Hkv,D,L]
+  auto v = values.index_select(0, flat).view({rows, longest, kv, -1}).transpose(1, 2).to(at::kFloat);     // [R,Hkv,L,D]
+  auto q = q_rows.view({rows, kv, groups, -1});
+  auto scores = at::matmul(q, k);  // [R, Hkv, G, L]
+  scores = scores.masked_fill(valid.to(device).logical_not().view({rows, 1, 1, longest}), kNegInf);
+  auto m = std::get<0>(scores.max(-1));
+  auto e = at::exp(scores - m.unsqueeze(-1));
+  auto o = at::matmul(e, v);  // [R, Hkv, G, D]
+  return {o.reshape({rows, kv * groups, -1}), m.reshape({rows, kv * groups}), e.sum(-1).reshape({rows, kv * groups})};
+}
+
+// ---- CPU float32 kernel for one-token sequences -------------------------------------------
+
+#define CARTRIDGES_AVX2 __attribute__((target("avx2,fma")))
+
+CARTRIDGES_AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  float r = _mm_cvtss_f32(s);
+  for (; i < n; ++i) r += a[i] * b[i];
+  return r;
+}
+
+CARTRIDGES_AVX2 void axpy_avx2(float alpha, const float* x, float* y, int64_t n) {
+  const __m256 a = _mm256_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += alpha * x[i];
+}
+
+float dot_scalar(const float* a, const float* b, int64_t n) {
+  float r = 0.f;
+  for (int64_t i = 0; i < n; ++i) r += a[i] * b[i];
+  return r;
+}
+
+void axpy_scalar(float alpha, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
+}  // namespace
+
+void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                          const std::vector<int64_t>& tokens, const std::vector<int64_t>& offsets,
+                          const std::vector<int64_t>& lengths, PartialAttention& out) {
+  TORCH_INTERNAL_ASSERT(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous());
+  TORCH_INTERNAL_ASSERT(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat);
+  const int64_t heads = q.size(1), dim = q.size(2), kv = keys.size(1), groups = heads / kv;
+  const int64_t work = static_cast<int64_t>(tokens.size()) * kv;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  float* op = out.o.data_ptr<float>();
+  float* mp = out.m.data_ptr<float>();
+  float* lp = out.l.data_ptr<float>();
+  const auto dot = has_avx2() ? dot_avx2 : dot_scalar;
+  const auto axpy = has_avx2() ? axpy_avx2 : axpy_scalar;
+  // One (token, kv head) pair per work item: its keys and values are read once for the
+  // `groups` query heads that share them.
+  at::parallel_for(0, work, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t i = w / kv, h = w % kv, token = tokens[i], len = lengths[i];
+      const float* k0 = kp + (offsets[i] * kv + h) * dim;
+      const float* v0 = vp + (offsets[i] * kv + h) * dim;
+      scores.resize(static_cast<size_t>(groups * len));
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t head = h * groups + g;
+        const float* qh = qp + (token * heads + head) * dim;
+        float* s = scores.data() + g * len;
+        float m = kNegInf;
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = dot(qh, k0 + t * kv * dim, dim);
+          m = std::max(m, s[t]);
+        }
+        float l = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - m);
+          l += s[t];
+        }
+        float* o = op + (token * heads + head) * dim;
+        std::fill(o, o + dim, 0.f);
+        for (int64_t t = 0; t < len; ++t) axpy(s[t], v0 + t * kv * dim, o, dim);
+        mp[token * heads + head] = m;
+        lp[token * heads + head] = l;
+      }
+    }
+  });
+}
+
+PackedLayout packed_layout(const PackedBatch& batch, at::Device device) {
+  PackedLayout layout;
+  std::map<std::vector<const KVPrefix*>, size_t> group_of;
+  std::vector<std::vector<int64_t>> group_token_lists;
+  std::vector<int64_t> decode_tokens;
+  int64_t start = 0;
+  for (size_t i = 0; i < batch.sequences.size(); ++i) {
+    const auto& s = batch.sequences[i];
+    layout.token_start.push_back(start);
+    if (s.num_new == 1) {
+      decode_tokens.push_back(start);
+      layout.decode_sequences.push_back(static_cast<int64_t>(i));
+    }
+    if (!s.prefixes.empty()) {
+      std::vector<const KVPrefix*> key;
+      for (const auto& p : s.prefixes) key.push_back(p.get());
+      auto [it, added] = group_of.emplace(key, layout.groups.size());
+      if (added) {
+        layout.groups.emplace_back();
+        group_token_lists.emplace_back();
+      }
+      layout.groups[it->second].push_back(static_cast<int64_t>(i));
+      for (int64_t j = 0; j < s.num_new; ++j) group_token_lists[it->second].push_back(start + j);
+    }
+    start += s.num_new;
+  }
+  for (const auto& list : group_token_lists) layout.group_tokens.push_back(at::tensor(list, at::kLong).to(device));
+  layout.decode_tokens = at::tensor(decode_tokens, at::kLong).to(device);
+  return layout;
+}
+
+at::Tensor packed_attention(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values,
+                            const PackedBatch& batch, const PackedLayout& layout, int64_t layer) {
+  const int64_t tokens = q_in.size(0), heads = q_in.size(1), dim = q_in.size(2), kv = keys.size(1);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  auto q = (q_in.to(at::kFloat) * scale).contiguous();  // [N, H, D]
+  auto f32 = q.options();
+  PartialAttention acc{at::zeros({tokens, heads, dim}, f32), at::full({tokens, heads}, kNegInf, f32),
+                       at::zeros({tokens, heads}, f32)};
+
+  // Own keys, one-token sequences together.
+  if (!layout.decode_sequences.empty()) {
+    std::vector<int64_t> tok, off, len;
+    for (auto i : layout.decode_sequences) {
+      const auto& s = batch.sequences[i];
+      tok.push_back(layout.token_start[i]);
+      off.push_back(s.kv_offset);
+      len.push_back(s.past + 1);
+    }
+    if (q.device().is_cpu() && keys.scalar_type() == at::kFloat) {
+      decode_attention_cpu(q, keys, values, tok, off, len, acc);
+    } else {
+      auto rows = layout.decode_tokens;
+      auto part = decode_part_gathered(q.index_select(0, rows), keys, values, off, len);
+      acc.o.index_copy_(0, rows, part.o);
+      acc.m.index_copy_(0, rows, part.m);
+      acc.l.index_copy_(0, rows, part.l);
+    }
+  }
+  // Own keys of prefill chunks, one sequence at a time (each is a matrix product of its own).
+  for (size_t i = 0; i < batch.sequences.size(); ++i) {
+    const auto& s = batch.sequences[i];
+    if (s.num_new == 1) continue;
+    const int64_t start = layout.token_start[i];
+    auto part = prefill_part(q.narrow(0, start, s.num_new), keys, values, s);
+    acc.o.narrow(0, start, s.num_new).copy_(part.o);
+    acc.m.narrow(0, start, s.num_new).copy_(part.m);
+    acc.l.narrow(0, start, s.num_new).copy_(part.l);
+  }
+  // Prefixes: each group's rows against each segment, merged into the own results.
+  for (size_t g = 0; g < layout.groups.size(); ++g) {
+    const auto& prefixes = batch.sequences[layout.groups[g][0]].prefixes;
+    const auto& rows = layout.group_tokens[g];
+    const int64_t n = rows.size(0), groups = heads / kv;
+    auto qg = heads_first(q.index_select(0, rows), kv);  // [Hkv, n*G, D]
+    std::vector<at::Tensor> scores, vals;
+    std::vector<int64_t> lens;
+    for (const auto& prefix : prefixes) {
+      scores.push_back(at::matmul(qg, prefix->keys[layer].to(at::kFloat).transpose(-1, -2)));
+      vals.push_back(prefix->values[layer].to(at::kFloat));
+      lens.push_back(prefix->num_tokens());
+    }
+    auto part = softmax_parts(scores.size() == 1 ? scores[0] : at::cat(scores, -1), vals, lens);
+    merge_rows(acc, rows,
+               {heads_last(part.o, n, groups), heads_last(part.m.unsqueeze(-1), n, groups).squeeze(-1),
+                heads_last(part.l.unsqueeze(-1), n, groups).squeeze(-1)});
+  }
+  return (acc.o / acc.l.unsqueeze(-1)).to(q_in.scalar_type());
+}
+
+}  // namespace cartridges::ops

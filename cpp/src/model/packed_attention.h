@@ -1,0 +1,49 @@
+#pragma once
+// Attention of a packed serving step: every sequence attends to its prefixes (cartridges,
+// shared) and to its own keys/values in the KV pool.
+//
+// Each part is computed as a partial softmax (running max m, sum of exponentials l and the
+// unnormalized output o) and the parts are merged like flash-attention does, so that
+//  - sequences that share a prefix list attend to it in one matrix product per segment
+//    (the cartridge's KV is read once per layer and step, never copied per sequence), and
+//  - each sequence's own KV is read in place from its range of pool slots.
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "cartridges/model.h"
+
+namespace cartridges::ops {
+
+// Partial attention results over a set of keys, in float32: o [N, H, D] (unnormalized),
+// m [N, H] (max score), l [N, H] (sum of exp(score - m)).
+struct PartialAttention {
+  at::Tensor o, m, l;
+};
+
+// Where each sequence's tokens sit in the packed step, computed once per step.
+struct PackedLayout {
+  std::vector<int64_t> token_start;  // first packed token of each sequence
+  // Sequences grouped by identical (non-empty) prefix list; each group's packed token indices.
+  std::vector<std::vector<int64_t>> groups;  // sequence indices per group
+  std::vector<at::Tensor> group_tokens;      // [n_g] int64 on the model's device
+  at::Tensor decode_tokens;                  // packed indices of one-token sequences, int64
+  std::vector<int64_t> decode_sequences;     // their sequence indices
+};
+
+PackedLayout packed_layout(const PackedBatch& batch, at::Device device);
+
+// q: [N, H, D] already rotated; keys/values: the layer's pool slabs [capacity, H_kv, D]
+// holding this step's new tokens; `layer` selects the prefixes' tensors. Returns [N, H, D]
+// in q's dtype.
+at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                            const PackedBatch& batch, const PackedLayout& layout, int64_t layer);
+
+// The CPU float32 kernel for one-token sequences (exposed for its test): for packed tokens
+// `tokens` with own ranges [offset, offset + length) of the pool, fills rows of `out`.
+void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                          const std::vector<int64_t>& tokens, const std::vector<int64_t>& offsets,
+                          const std::vector<int64_t>& lengths, PartialAttention& out);
+
+}  // namespace cartridges::ops

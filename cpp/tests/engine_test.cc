@@ -1,0 +1,202 @@
+// The serving engine on a tiny random model: requests that join at different moments, with
+// different prompts and cartridge lists, get exactly what they get alone; cancellation,
+// seeds, log-probabilities, typed errors.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+#include <thread>
+
+#include "cartridges/engine.h"
+#include "cartridges/model.h"
+#include "tiny_model.h"
+
+using namespace cartridges;
+using cartridges::test_models::random_weights;
+using cartridges::test_models::tiny_config;
+
+namespace {
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    at::manual_seed(0);
+    config = tiny_config();
+    model = std::make_shared<LlamaModel>(config, random_weights(config), at::kCPU, at::kFloat);
+  }
+
+  std::vector<int64_t> random_tokens(int64_t n) {
+    auto t = at::randint(config.vocab_size, {n}, at::kLong);
+    return {t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n};
+  }
+  PrefixPtr prefix(const std::vector<int64_t>& tokens) {
+    return std::make_shared<const KVPrefix>(model->prefix_from_tokens(at::tensor(tokens, at::kLong)));
+  }
+  Request greedy(std::vector<int64_t> prompt, int64_t max_new, PrefixList prefixes = {}) {
+    Request r;
+    r.prompt = std::move(prompt);
+    r.prefixes = std::move(prefixes);
+    r.params.max_new_tokens = max_new;
+    return r;
+  }
+  GenerationResult alone(const Request& r) {
+    Engine e(model);
+    return generate_all(e, {r})[0];
+  }
+
+  LlamaConfig config;
+  std::shared_ptr<LlamaModel> model;
+};
+
+// Collects events per request until every id given has finished.
+std::map<int64_t, GenerationResult> drain(Engine& engine, std::set<int64_t> pending) {
+  std::map<int64_t, GenerationResult> out;
+  while (!pending.empty()) {
+    for (const auto& e : engine.poll(std::chrono::milliseconds(100))) {
+      if (e.kind == Event::Kind::kToken) {
+        out[e.request].tokens.push_back(e.token);
+      } else {
+        out[e.request].finish_reason = e.finish_reason;
+        pending.erase(e.request);
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_F(EngineTest, RequestsJoiningAtAnyStepGetWhatTheyGetAlone) {
+  auto doc_a = random_tokens(7), doc_b = random_tokens(5);
+  auto a = prefix(doc_a), b = prefix(doc_b);
+  std::vector<Request> requests = {
+      greedy(random_tokens(3), 12),           greedy(random_tokens(20), 8, {a}),
+      greedy(random_tokens(6), 10, {a, b}),   greedy(random_tokens(11), 9, {b}),
+      greedy(random_tokens(2), 14, {a}),      greedy(random_tokens(40), 5),  // longer than a prefill step
+  };
+  EngineOptions options;
+  options.prefill_tokens_per_step = 16;
+  Engine engine(model, options);
+  std::set<int64_t> ids;
+  std::map<int64_t, size_t> index;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const auto id = engine.submit(requests[i]);
+    ids.insert(id);
+    index[id] = i;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2 * i));  // join at different steps
+  }
+  auto results = drain(engine, ids);
+  for (const auto& [id, got] : results) {
+    const auto& r = requests[index[id]];
+    auto expected = alone(r);
+    EXPECT_EQ(got.tokens, expected.tokens) << "request " << index[id];
+    EXPECT_EQ(got.finish_reason, "length");
+  }
+  // A cartridge equals its text in context (here: the KV of that very text).
+  auto in_context = requests[1];
+  in_context.prefixes.clear();
+  std::vector<int64_t> text = doc_a;
+  text.insert(text.end(), requests[1].prompt.begin(), requests[1].prompt.end());
+  in_context.prompt = text;
+  EXPECT_EQ(alone(in_context).tokens, alone(requests[1]).tokens);
+  auto stats = engine.stats();
+  EXPECT_EQ(stats.running, 0);
+  EXPECT_EQ(stats.kv_tokens_used, 0);
+  EXPECT_EQ(stats.finished, static_cast<int64_t>(requests.size()));
+}
+
+TEST_F(EngineTest, CancelledRequestFreesItsPlaceAndOthersGoOn) {
+  EngineOptions options;
+  options.kv_tokens = 120;  // room for one long request at a time
+  Engine engine(model, options);
+  auto long_request = greedy(random_tokens(4), 100);
+  auto waiting = greedy(random_tokens(5), 20);
+  auto running_id = engine.submit(long_request);
+  auto waiting_id = engine.submit(waiting);
+  auto queued_id = engine.submit(greedy(random_tokens(3), 100));
+  // Let the first produce a few tokens, then cancel it and the queued third.
+  int64_t produced = 0;
+  while (produced < 3) {
+    for (const auto& e : engine.poll(std::chrono::milliseconds(100))) produced += e.request == running_id;
+  }
+  EXPECT_TRUE(engine.cancel(running_id));
+  EXPECT_TRUE(engine.cancel(queued_id));
+  auto results = drain(engine, {running_id, waiting_id, queued_id});
+  EXPECT_EQ(results[running_id].finish_reason, "cancelled");
+  EXPECT_EQ(results[queued_id].finish_reason, "cancelled");
+  EXPECT_TRUE(results[queued_id].tokens.empty());
+  EXPECT_EQ(results[waiting_id].tokens, alone(waiting).tokens);
+  EXPECT_FALSE(engine.cancel(running_id));
+  EXPECT_EQ(engine.stats().kv_tokens_used, 0);
+}
+
+TEST_F(EngineTest, SeededSamplingRepeatsAndSeedsDiffer) {
+  Engine engine(model);
+  auto r = greedy(random_tokens(4), 24);
+  r.params.temperature = 1.0;
+  r.params.top_p = 0.95;
+  r.params.top_k = 40;
+  r.params.seed = 7;
+  auto other = r;
+  other.params.seed = 8;
+  auto results = generate_all(engine, {r, r, other});
+  EXPECT_EQ(results[0].tokens, results[1].tokens);
+  EXPECT_NE(results[0].tokens, results[2].tokens);
+}
+
+TEST_F(EngineTest, LogProbabilitiesEqualAFullForward) {
+  Engine engine(model);
+  auto doc = random_tokens(6);
+  auto r = greedy(random_tokens(5), 6, {prefix(doc)});
+  r.params.logprobs = 5;
+  const auto id = engine.submit(r);
+  std::vector<Event> tokens;
+  for (bool done = false; !done;) {
+    for (auto& e : engine.poll(std::chrono::milliseconds(100))) {
+      if (e.kind == Event::Kind::kToken) tokens.push_back(e);
+      done = done || (e.request == id && e.kind == Event::Kind::kFinished);
+    }
+  }
+  ASSERT_EQ(tokens.size(), 6u);
+  std::vector<int64_t> seq = doc;
+  seq.insert(seq.end(), r.prompt.begin(), r.prompt.end());
+  for (const auto& e : tokens) seq.push_back(e.token);
+  auto full = model->forward({at::tensor(seq, at::kLong).view({1, -1}), {}, {}}, nullptr)[0];
+  auto logprobs = at::log_softmax(full, -1);
+  const int64_t first = static_cast<int64_t>(doc.size() + r.prompt.size()) - 1;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    auto row = logprobs[first + static_cast<int64_t>(i)];
+    EXPECT_NEAR(tokens[i].logprob, row[tokens[i].token].item<float>(), 1e-4);
+    auto [values, ids] = row.topk(5);
+    for (int64_t k = 0; k < 5; ++k) {
+      EXPECT_EQ(tokens[i].top_ids[k], ids[k].item<int64_t>());
+      EXPECT_NEAR(tokens[i].top_logprobs[k], values[k].item<float>(), 1e-4);
+    }
+    EXPECT_EQ(tokens[i].top_ids[0], tokens[i].token);  // greedy
+  }
+}
+
+TEST_F(EngineTest, TypedErrors) {
+  EngineOptions options;
+  options.kv_tokens = 64;
+  options.max_waiting = 1;
+  options.max_running = 1;
+  Engine engine(model, options);
+  EXPECT_THROW(engine.submit(greedy(random_tokens(10), 250)), ContextLengthError);  // > context of 256
+  EXPECT_THROW(engine.submit(greedy(random_tokens(10), 60)), ContextLengthError);   // > the whole pool
+  EXPECT_THROW(engine.submit(greedy({}, 5)), c10::Error);
+  EXPECT_THROW(engine.submit(greedy({config.vocab_size}, 5)), c10::Error);
+  engine.submit(greedy(random_tokens(2), 40));
+  // One runs (or waits), one more may wait; then the queue is full.
+  bool busy = false;
+  for (int i = 0; i < 3 && !busy; ++i) {
+    try {
+      engine.submit(greedy(random_tokens(2), 40));
+    } catch (const EngineBusyError&) {
+      busy = true;
+    }
+  }
+  EXPECT_TRUE(busy);
+  engine.shutdown();
+  EXPECT_THROW(engine.submit(greedy(random_tokens(2), 4)), EngineStoppedError);
+}

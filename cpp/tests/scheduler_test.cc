@@ -1,0 +1,154 @@
+// The engine's policy without a model: admission under the KV budget, the per-step prefill
+// budget, priorities, the bounded queue, cancellation; the KV range allocator; the
+// cartridge cache's eviction rules.
+#include <gtest/gtest.h>
+
+#include "cartridges/engine.h"
+#include "engine/kv_pool.h"
+#include "engine/scheduler.h"
+
+using namespace cartridges;
+
+namespace {
+
+SchedulerOptions small(int64_t kv = 100, int64_t running = 8, int64_t prefill = 16, int64_t waiting = 4) {
+  return {kv, running, prefill, waiting};
+}
+
+int64_t planned_prefill(const StepPlan& p) {
+  int64_t n = 0;
+  for (auto [id, chunk] : p.prefill) n += chunk;
+  return n;
+}
+
+PrefixPtr prefix_of_bytes(int64_t floats_per_tensor) {
+  auto p = std::make_shared<KVPrefix>();
+  p->keys.push_back(at::zeros({1, floats_per_tensor, 1}));
+  p->values.push_back(at::zeros({1, floats_per_tensor, 1}));
+  return p;  // 8 * floats_per_tensor bytes
+}
+
+}  // namespace
+
+TEST(KVRangeAllocator, FirstFitAndMerging) {
+  KVRangeAllocator a(10);
+  EXPECT_EQ(a.allocate(4), 0);
+  EXPECT_EQ(a.allocate(4), 4);
+  EXPECT_FALSE(a.allocate(3).has_value());
+  a.release(0, 4);
+  EXPECT_EQ(a.allocate(3), 0);  // first fit
+  a.release(0, 3);
+  a.release(4, 4);  // merges with [0, 4) and [8, 10)
+  EXPECT_EQ(a.used(), 0);
+  EXPECT_EQ(a.largest_free(), 10);
+  EXPECT_EQ(a.allocate(10), 0);
+}
+
+TEST(Scheduler, AdmitsUnderTheKVBudgetAndQueuesTheRest) {
+  Scheduler s(small(/*kv=*/100));
+  s.enqueue(1, Priority::kInteractive, 10, 60);
+  s.enqueue(2, Priority::kInteractive, 10, 50);  // 60 + 50 > 100: waits
+  s.enqueue(3, Priority::kInteractive, 5, 30);   // would fit, but does not jump ahead of 2
+  s.plan();
+  EXPECT_TRUE(s.is_running(1));
+  EXPECT_FALSE(s.is_running(2));
+  EXPECT_FALSE(s.is_running(3));
+  EXPECT_EQ(s.kv_used(), 60);
+  EXPECT_TRUE(s.finish(1));  // its range comes back at once
+  s.plan();
+  EXPECT_TRUE(s.is_running(2) && s.is_running(3));
+  EXPECT_EQ(s.kv_used(), 80);
+}
+
+TEST(Scheduler, NeverMoreThanMaxRunning) {
+  Scheduler s(small(100, /*running=*/2));
+  for (int64_t id = 0; id < 3; ++id) s.enqueue(id, Priority::kInteractive, 1, 2);
+  s.plan();
+  EXPECT_EQ(s.running(), 2);
+  EXPECT_EQ(s.waiting(), 1);
+}
+
+TEST(Scheduler, PrefillIsChunkedWithinTheStepBudget) {
+  Scheduler s(small(100, 8, /*prefill=*/16));
+  s.enqueue(1, Priority::kInteractive, 40, 50);
+  s.enqueue(2, Priority::kInteractive, 10, 20);
+  auto p = s.plan();
+  ASSERT_EQ(p.prefill.size(), 1u);  // the first takes the whole budget
+  EXPECT_EQ(p.prefill[0], std::make_pair(int64_t{1}, int64_t{16}));
+  s.prefilled(1, 16);
+  p = s.plan();
+  s.prefilled(1, 16);
+  p = s.plan();  // 8 left of request 1, then 8 of request 2
+  ASSERT_EQ(p.prefill.size(), 2u);
+  EXPECT_EQ(p.prefill[0], std::make_pair(int64_t{1}, int64_t{8}));
+  EXPECT_EQ(p.prefill[1], std::make_pair(int64_t{2}, int64_t{8}));
+  EXPECT_EQ(planned_prefill(p), 16);
+  s.prefilled(1, 8);
+  s.prefilled(2, 8);
+  p = s.plan();  // request 1 decodes beside the rest of request 2's prompt
+  EXPECT_EQ(p.decode, std::vector<int64_t>{1});
+  EXPECT_EQ(p.prefill.size(), 1u);
+  EXPECT_EQ(p.prefill[0], std::make_pair(int64_t{2}, int64_t{2}));
+}
+
+TEST(Scheduler, InteractiveGoesBeforeBackground) {
+  Scheduler s(small(/*kv=*/20, 8, /*prefill=*/4));
+  s.enqueue(1, Priority::kBackground, 4, 10);
+  s.enqueue(2, Priority::kBackground, 4, 10);
+  s.enqueue(3, Priority::kInteractive, 4, 10);  // arrives last, starts first
+  auto p = s.plan();
+  EXPECT_TRUE(s.is_running(3));
+  EXPECT_TRUE(s.is_running(1));
+  EXPECT_FALSE(s.is_running(2));
+  ASSERT_EQ(p.prefill.size(), 1u);
+  EXPECT_EQ(p.prefill[0].first, 3);  // and its prompt is prefilled first
+}
+
+TEST(Scheduler, BoundedQueueAndRequestsThatCanNeverFit) {
+  Scheduler s(small(/*kv=*/100, 8, 16, /*waiting=*/2));
+  EXPECT_THROW(s.enqueue(9, Priority::kInteractive, 10, 101), ContextLengthError);
+  s.enqueue(1, Priority::kInteractive, 1, 1);
+  s.enqueue(2, Priority::kInteractive, 1, 1);
+  EXPECT_THROW(s.enqueue(3, Priority::kInteractive, 1, 1), EngineBusyError);
+  s.plan();  // both start; the queue has room again
+  s.enqueue(3, Priority::kInteractive, 1, 1);
+}
+
+TEST(Scheduler, CancelQueuedAndRunning) {
+  Scheduler s(small(/*kv=*/10));
+  s.enqueue(1, Priority::kInteractive, 2, 10);
+  s.enqueue(2, Priority::kInteractive, 2, 10);
+  s.plan();
+  EXPECT_TRUE(s.finish(2));  // queued: gone without ever starting
+  EXPECT_EQ(s.waiting(), 0);
+  EXPECT_TRUE(s.finish(1));  // running: its KV is free
+  EXPECT_EQ(s.kv_used(), 0);
+  EXPECT_FALSE(s.finish(1));
+  EXPECT_TRUE(s.plan().empty());
+}
+
+TEST(CartridgeCache, EvictsLeastRecentlyUsedIdleOnly) {
+  CartridgeCache cache(/*budget=*/3 * 800);
+  cache.put("a", prefix_of_bytes(100));
+  cache.put("b", prefix_of_bytes(100));
+  cache.put("c", prefix_of_bytes(100));
+  PrefixPtr held = cache.get("a");  // a request holds "a"; "b" is now least recently used
+  cache.put("d", prefix_of_bytes(100));
+  EXPECT_TRUE(cache.contains("a"));
+  EXPECT_FALSE(cache.contains("b"));
+  auto s = cache.stats();
+  EXPECT_EQ(s.evictions, 1);
+  EXPECT_EQ(s.loads, 4);
+  EXPECT_EQ(s.bytes, 3 * 800);
+  EXPECT_LE(s.bytes, s.budget_bytes);
+  // Only "a" is in use: loading 2 more entries' worth evicts c and d, never a.
+  cache.put("big", prefix_of_bytes(200));
+  EXPECT_TRUE(cache.contains("a"));
+  EXPECT_EQ(cache.stats().bytes, 3 * 800);
+  // Too big even after evicting every idle cartridge: refused, and nothing is evicted.
+  EXPECT_THROW(cache.put("huge", prefix_of_bytes(250)), CacheFullError);
+  EXPECT_TRUE(cache.contains("big"));
+  EXPECT_EQ(held.use_count(), 2);  // still alive for its holder
+  EXPECT_EQ(cache.get("zzz"), nullptr);
+  EXPECT_EQ(cache.stats().misses, 1);
+}

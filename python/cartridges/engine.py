@@ -1,0 +1,381 @@
+"""`Engine`: the serving engine of a model, shared by every caller of the process.
+
+    engine = model.engine                       # started on first use, default options
+    stream = engine.submit(model.encode_chat(messages), max_new_tokens=64, stop=["\\n\\n"])
+    for delta in stream:                        # or `async for delta in stream` in asyncio code
+        print(delta.text, end="")
+    print(stream.finish_reason)                 # "stop", "length" or "cancelled"
+
+The C++ engine computes on its own thread (continuous batching: requests join and leave at
+any step). One dispatcher thread here takes each step's events with one GIL acquisition and
+hands them to the streams; asyncio streams are woken with one `call_soon_threadsafe` per
+event loop and step. Closing a stream (or leaving its loop early) cancels the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import threading
+import weakref
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import cartridges_core as core
+
+ContextLengthError = core.ContextLengthError
+EngineBusyError = core.EngineBusyError
+CacheFullError = core.CacheFullError
+EngineStoppedError = core.EngineStoppedError
+
+_PRIORITIES = {"interactive": core.Priority.INTERACTIVE, "background": core.Priority.BACKGROUND}
+_POLL = timedelta(milliseconds=200)
+
+
+class GenerationError(RuntimeError):
+    """The engine failed while computing a request (its message says why)."""
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens and their log-probabilities
+
+
+@dataclass
+class Delta:
+    """What one sampled token adds: `text` is the newly released text ("" while it might
+    still turn out to be the start of a stop sequence)."""
+
+    text: str
+    token: int | None = None  # None for the final flush of held-back text
+    logprob: TokenLogprob | None = None
+
+
+@dataclass
+class Completion:
+    tokens: list[int]  # generated ids, a final stop token included
+    text: str  # decoded, without special tokens, cut before a matched stop sequence
+    finish_reason: str  # "stop", "length" or "cancelled"
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def choice_seeds(seed: int | None, n: int) -> list[int]:
+    """Seeds of `n` choices of one request: distinct, and the same for the same seed."""
+    if seed is None:
+        return [-1] * n
+    return [(seed * 1_000_003 + i * 0x9E3779B1) % (2**63 - 1) for i in range(n)]
+
+
+class Stream:
+    """One request's output as it is generated. Iterate it (blocking or async), or call
+    `result()`. Not shared between threads."""
+
+    def __init__(self, engine: Engine, request_id: int, *, prompt_tokens: int, prefix_tokens: int,
+                 decoder: Any | None, stop_tokens: Sequence[int], stop: Sequence[str],
+                 loop: asyncio.AbstractEventLoop | None, condition: threading.Condition | None) -> None:
+        self.id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.prefix_tokens = prefix_tokens  # cartridge tokens in front of the prompt
+        self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self._engine = engine
+        self._decoder = decoder
+        self._stop_tokens = set(stop_tokens)
+        self._stop = [s for s in stop if s]
+        self._held = ""  # decoded text not released yet (could start a stop sequence)
+        self._events: collections.deque = collections.deque()
+        self._condition = condition or threading.Condition()
+        self._loop = loop
+        self._wakeup: asyncio.Event | None = asyncio.Event() if loop is not None else None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    # -- delivery (dispatcher thread) ------------------------------------------------------
+
+    def _deliver(self, events: list) -> None:
+        with self._condition:
+            self._events.extend(events)
+            self._condition.notify_all()
+
+    def _wake(self) -> None:  # on the stream's event loop
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    # -- consumption -----------------------------------------------------------------------
+
+    def _take(self) -> list[Delta]:
+        """Turns the delivered events into deltas (detokenization, stop sequences)."""
+        with self._condition:
+            events = list(self._events)
+            self._events.clear()
+        out: list[Delta] = []
+        for e in events:
+            if self.finished:
+                break  # ended here (stop sequence, close): later events are dropped
+            if e.finished:
+                self._finish(e.finish_reason, e.error or None, out)
+                continue
+            self.tokens.append(e.token)
+            lp = None
+            if e.top_ids:
+                lp = TokenLogprob(e.token, e.logprob, list(zip(e.top_ids, e.top_logprobs)))
+                self.logprobs.append(lp)
+            text = ""
+            if self._decoder is not None and e.token not in self._stop_tokens:
+                text = self._release(self._decoder.feed(e.token))
+            out.append(Delta(text, e.token, lp))
+        return out
+
+    def _release(self, piece: str) -> str:
+        """Adds decoded text; returns what can be shown now. A stop sequence ends the request
+        there: the text before it is released, the rest never is."""
+        self._held += piece
+        hits = [i for i in (self._held.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            released, self._held = self._held[: min(hits)], ""
+            self.text += released
+            self._end("stop", None)
+            self._engine.core.cancel(self.id)
+            return released
+        keep = max((len(s) for s in self._stop), default=1) - 1  # could be the start of a stop
+        cut = len(self._held) - keep
+        released, self._held = self._held[:cut], self._held[cut:]
+        self.text += released
+        return released
+
+    def _finish(self, reason: str, error: str | None, out: list[Delta]) -> None:
+        if reason != "error" and self._decoder is not None and (tail := self._decoder.flush()):
+            if text := self._release(tail):
+                out.append(Delta(text))
+            if self.finished:  # the tail completed a stop sequence
+                return
+        if self._held:  # nothing more can come: what was held back is text after all
+            out.append(Delta(self._held))
+            self.text += self._held
+            self._held = ""
+        self._end(reason, error)
+
+    def _end(self, reason: str, error: str | None) -> None:
+        self.finish_reason = reason
+        self.error = error
+        self._engine._forget(self.id)
+
+    def _raise_on_error(self) -> None:
+        if self.finish_reason == "error":
+            raise GenerationError(self.error or "generation failed")
+
+    def __iter__(self) -> Iterator[Delta]:
+        try:
+            while True:
+                yield from self._take()
+                if self.finished:
+                    self._raise_on_error()
+                    return
+                with self._condition:
+                    while not self._events:
+                        self._condition.wait()
+        finally:
+            self.close()
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        if self._wakeup is None:
+            raise RuntimeError("this stream was submitted outside an event loop; iterate it without `async`")
+        try:
+            while True:
+                for delta in self._take():
+                    yield delta
+                if self.finished:
+                    self._raise_on_error()
+                    return
+                self._wakeup.clear()
+                with self._condition:
+                    pending = bool(self._events)
+                if not pending:
+                    await self._wakeup.wait()
+        finally:
+            self.close()
+
+    def result(self) -> Completion:
+        """Waits for the end and returns the whole completion."""
+        for _ in self:
+            pass
+        return Completion(self.tokens, self.text, self.finish_reason or "cancelled", self.logprobs)
+
+    def close(self) -> None:
+        """Cancels the request if it is still going; the tokens so far stay."""
+        if not self.finished:
+            self._engine.core.cancel(self.id)
+            self._end("cancelled", None)
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class Engine:
+    """The serving engine over a `Model`. Options (defaults in `cartridges_core.EngineOptions`):
+    kv_tokens (KV pool size in tokens), max_running, prefill_tokens_per_step, max_waiting,
+    cartridge_cache_bytes, num_threads (intra-op threads of the compute thread)."""
+
+    def __init__(self, model: Any, **options: int) -> None:
+        opts = core.EngineOptions()
+        for key, value in options.items():
+            if value is None:
+                continue
+            if not hasattr(opts, key):
+                raise TypeError(f"unknown engine option {key!r}")
+            setattr(opts, key, int(value))
+        self.model = model
+        self.core = core.Engine(model.core, opts)
+        self._streams: dict[int, Stream] = {}
+        self._lock = threading.Lock()
+        self._dispatcher = threading.Thread(target=self._dispatch, name="cartridges-engine-events", daemon=True)
+        self._dispatcher.start()
+        _ENGINES.add(self)
+
+    @property
+    def options(self) -> core.EngineOptions:
+        return self.core.options
+
+    @property
+    def cartridges(self) -> core.CartridgeCache:
+        return self.core.cartridges
+
+    def stats(self) -> core.EngineStats:
+        return self.core.stats()
+
+    def submit(self, prompt: Sequence[int], *, prefixes: Sequence[Any] = (), seed: int | None = None,
+               **sampling: Any) -> Stream:
+        """Queues one request and returns its stream; see `submit_many` for the options."""
+        return self.submit_many([prompt], prefixes=[prefixes], seeds=[seed], **sampling)[0]
+
+    def submit_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        prefixes: Sequence[Sequence[Any]] | None = None,
+        seeds: Sequence[int | None] | None = None,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
+        stop: Sequence[str] = (),
+        logprobs: int = 0,
+        priority: str = "interactive",
+        condition: threading.Condition | None = None,
+    ) -> list[Stream]:
+        """Queues requests at once (all or none; they start in the same step when there is
+        room, so a seeded batch is repeatable) and returns their streams.
+
+        `prefixes`: per prompt, cartridges (`Cartridge` objects or KV prefixes) in order.
+        `seeds`: per prompt (None draws a fresh one). `stop_token_ids` defaults to the
+        tokenizer's end-of-turn ids; `stop` are text stop sequences (the match is not returned);
+        `logprobs`: how many top log-probabilities to return per token; `priority`:
+        "interactive" or "background". Raises ContextLengthError (can never fit the context or
+        the KV pool), EngineBusyError (queue full), ValueError (bad parameters)."""
+        if priority not in _PRIORITIES:
+            raise ValueError(f"priority must be one of {sorted(_PRIORITIES)}")
+        stops = list(stop_token_ids) if stop_token_ids is not None else self._default_stops()
+        kv = [[as_prefix(self.model, p) for p in row] for row in (prefixes or [()] * len(prompts))]
+        seeds = seeds or [None] * len(prompts)
+        if len(kv) != len(prompts) or len(seeds) != len(prompts):
+            raise ValueError("prefixes and seeds must have one entry per prompt")
+        requests = [
+            (list(prompt), row, core.SamplingParams(
+                temperature=temperature, top_p=top_p, top_k=top_k, seed=-1 if seed is None else seed,
+                max_new_tokens=max_new_tokens, stop_token_ids=stops, logprobs=logprobs))
+            for prompt, row, seed in zip(prompts, kv, seeds)
+        ]
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        tokenizer = self.model.tokenizer
+        with self._lock:
+            try:
+                ids = self.core.submit_all(requests, _PRIORITIES[priority])
+            except RuntimeError as error:
+                if isinstance(error, (EngineBusyError, EngineStoppedError)):
+                    raise
+                raise ValueError(str(error).splitlines()[0]) from None  # c10::Error: a bad argument
+            streams = [
+                Stream(self, request_id, prompt_tokens=len(prompt), prefix_tokens=sum(p.num_tokens for p in row),
+                       decoder=tokenizer.stream_decoder() if hasattr(tokenizer, "stream_decoder") else None,
+                       stop_tokens=stops, stop=stop, loop=loop, condition=condition)
+                for request_id, (prompt, row, _) in zip(ids, requests)
+            ]
+            for stream in streams:
+                self._streams[stream.id] = stream
+        return streams
+
+    def _default_stops(self) -> list[int]:
+        if self.model.tokenizer is not None:
+            return list(self.model.tokenizer.eos_token_ids)
+        return list(getattr(self.model.config, "eos_token_ids", []))
+
+    def close(self) -> None:
+        """Cancels everything and stops the compute thread."""
+        self.core.shutdown()
+        if self._dispatcher is not threading.current_thread():
+            self._dispatcher.join(timeout=5)
+
+    def _forget(self, request_id: int) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def _dispatch(self) -> None:
+        while True:
+            events = self.core.poll(_POLL)
+            if not events:
+                if not self.core.running:
+                    return
+                continue
+            by_stream: dict[int, list] = {}
+            for e in events:
+                by_stream.setdefault(e.request, []).append(e)
+            loops: dict[asyncio.AbstractEventLoop, list[Stream]] = {}
+            with self._lock:
+                streams = [(self._streams.get(i), evs) for i, evs in by_stream.items()]
+            for stream, evs in streams:
+                if stream is None:
+                    continue  # closed by its consumer
+                stream._deliver(evs)
+                if stream._loop is not None:
+                    loops.setdefault(stream._loop, []).append(stream)
+            for loop, woken in loops.items():
+                try:
+                    loop.call_soon_threadsafe(_wake_all, woken)
+                except RuntimeError:
+                    pass  # that loop is closed: nobody is waiting any more
+
+
+def as_prefix(model: Any, item: Any) -> core.KVPrefix:
+    """A KV prefix as is, or a `Cartridge`'s prefix for this model (made once, then shared)."""
+    return item if isinstance(item, core.KVPrefix) else item.prefix(model)
+
+
+def _wake_all(streams: list[Stream]) -> None:
+    for s in streams:
+        s._wake()
+
+
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_engines() -> None:
+    for engine in list(_ENGINES):
+        engine.close()
