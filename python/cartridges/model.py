@@ -52,11 +52,7 @@ class Model:
         self.name = name
         self.source = source
         self.fingerprint = _fingerprint(config, tensors)
-        core_config = core.LlamaConfig()
-        for key, value in config.to_dict().items():
-            if hasattr(core_config, key):
-                setattr(core_config, key, value)
-        self.core = core.LlamaModel(core_config, tensors, device, dtype or default_dtype(device), quantized or {})
+        self.core = core.LlamaModel(config.to_core(), tensors, device, dtype or default_dtype(device), quantized or {})
         self._engine: Engine | None = None
         self._engine_lock = threading.Lock()
 

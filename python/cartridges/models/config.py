@@ -11,7 +11,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import cartridges_core as core
+
 from .errors import ModelLoadError
+
+# The C++ core defines the model config and its defaults once; the fields below that the core
+# also has take their defaults from it. These fields are the Python side's own (tokenizer and
+# loader facts) and never reach the core.
+_CORE_DEFAULTS = core.LlamaConfig()
+_PYTHON_ONLY_FIELDS = frozenset({"architecture", "bos_token_id", "eos_token_ids"})
 
 # Hugging Face `architectures` entry → our architecture name.
 _HF_ARCHITECTURES = {
@@ -35,15 +43,15 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     # "default" or "llama3"; the four fields below only matter for "llama3".
-    rope_type: str = "default"
-    rope_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 1.0
-    rope_original_max_position_embeddings: int = 0
-    attention_bias: bool = False  # bias on q/k/v projections (always on for Qwen2)
-    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
-    tie_word_embeddings: bool = False  # lm_head shares model.embed_tokens.weight
-    max_position_embeddings: int = 2048
+    rope_type: str = _CORE_DEFAULTS.rope_type
+    rope_factor: float = _CORE_DEFAULTS.rope_factor
+    rope_low_freq_factor: float = _CORE_DEFAULTS.rope_low_freq_factor
+    rope_high_freq_factor: float = _CORE_DEFAULTS.rope_high_freq_factor
+    rope_original_max_position_embeddings: int = _CORE_DEFAULTS.rope_original_max_position_embeddings
+    attention_bias: bool = _CORE_DEFAULTS.attention_bias  # bias on q/k/v projections (always on for Qwen2)
+    qk_norm: bool = _CORE_DEFAULTS.qk_norm  # RMSNorm on each head of q and k before RoPE (Qwen3)
+    tie_word_embeddings: bool = _CORE_DEFAULTS.tie_word_embeddings  # lm_head shares model.embed_tokens.weight
+    max_position_embeddings: int = _CORE_DEFAULTS.max_position_embeddings
     bos_token_id: int | None = None  # None: the model has no BOS token (Qwen)
     eos_token_ids: list[int] = field(default_factory=list)  # every id that ends generation
 
@@ -117,6 +125,19 @@ class ModelConfig:
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         return shapes
+
+    def to_core(self) -> core.LlamaConfig:
+        """The C++ config. A field that is neither the core's nor one of the Python side's own
+        is an error, never silently dropped."""
+        out = core.LlamaConfig()
+        for key, value in dataclasses.asdict(self).items():
+            if key in _PYTHON_ONLY_FIELDS:
+                continue
+            if not hasattr(out, key):
+                raise ValueError(f"config field {key!r} is unknown to the C++ core")
+            setattr(out, key, value)
+        out.validate()
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for C++: ints, floats, bools, str, and a list of ints.

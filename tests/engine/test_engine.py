@@ -1,0 +1,139 @@
+"""The Python face of the serving engine: blocking and asyncio streams, closing cancels, text
+stop sequences, log-probabilities, seeds of `n` choices, the cartridge cache, typed errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from cartridges import ContextLengthError, Engine, EngineBusyError
+from cartridges.engine import choice_seeds
+from tiny_models import VOCAB, build_pair
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_pair("llama", seed=3)[1]
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    engine = Engine(model, kv_tokens=4096, prefill_tokens_per_step=32)
+    yield engine
+    engine.close()
+
+
+def test_blocking_stream_equals_generate(model, engine):
+    expected = model.generate([[5, 6, 7, 8]], max_new_tokens=12, stop_token_ids=[])[0]
+    stream = engine.submit([5, 6, 7, 8], max_new_tokens=12, stop_token_ids=[])
+    tokens = [d.token for d in stream]
+    assert tokens == expected.tokens and stream.finish_reason == "length"
+
+
+def test_async_streams_run_concurrently_and_match_alone(model, engine):
+    prompts = [[1 + i, 2, 3 + i] * (i + 1) for i in range(6)]
+    alone = [model.generate([p], max_new_tokens=10, stop_token_ids=[])[0].tokens for p in prompts]
+
+    async def consume(prompt):
+        stream = engine.submit(prompt, max_new_tokens=10, stop_token_ids=[])
+        return [d.token async for d in stream], stream.finish_reason
+
+    async def main():
+        return await asyncio.gather(*(consume(p) for p in prompts))
+
+    results = asyncio.run(main())
+    assert [tokens for tokens, _ in results] == alone
+    assert all(reason == "length" for _, reason in results)
+
+
+def test_leaving_an_async_stream_cancels_the_request(engine):
+    async def main():
+        stream = engine.submit([9, 9, 9], max_new_tokens=400, stop_token_ids=[])
+        async for _ in stream:
+            break  # the consumer goes away after one token
+        return stream
+
+    stream = asyncio.run(main())
+    assert stream.finish_reason == "cancelled" and len(stream.tokens) < 400
+    for _ in range(100):
+        if engine.stats().running == 0:
+            break
+        asyncio.run(asyncio.sleep(0.01))
+    assert engine.stats().running == 0 and engine.stats().kv_tokens_used == 0
+
+
+def test_text_stop_sequence_ends_the_request_and_is_not_returned():
+    from cartridges import load_model
+
+    model = load_model()  # a real tokenizer, for text
+    messages = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
+    full = model.chat(messages, max_tokens=40)
+    stop = full[len(full) // 3: len(full) // 3 + 2]
+    assert stop and stop in full
+    stopped = model.generate([model.encode_chat(messages)], max_new_tokens=40, stop=[stop])[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full[: full.index(stop)]
+    streamed = "".join(model.stream_chat(messages, max_tokens=40, stop=[stop]))
+    assert streamed == stopped.text
+
+
+def test_logprobs_equal_a_full_forward(model, engine):
+    prompt = [3, 1, 4, 1, 5]
+    stream = engine.submit(prompt, max_new_tokens=5, stop_token_ids=[], logprobs=4)
+    completion = stream.result()
+    tokens = torch.tensor([prompt + completion.tokens])
+    logprobs = torch.log_softmax(model.core.forward(tokens)[0], -1)
+    for i, lp in enumerate(completion.logprobs):
+        row = logprobs[len(prompt) - 1 + i]
+        assert lp.logprob == pytest.approx(row[lp.token].item(), abs=1e-4)
+        values, ids = row.topk(4)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+def test_n_choices_are_distinct_and_repeatable(model):
+    seeds = choice_seeds(42, 3)
+    assert len(set(seeds)) == 3 and seeds == choice_seeds(42, 3)
+    kwargs = dict(max_new_tokens=16, stop_token_ids=[], temperature=1.0)
+
+    def run() -> list[list[int]]:
+        return [s.result().tokens for s in model.engine.submit_many([[7, 7]] * 3, seeds=seeds, **kwargs)]
+
+    first, again = run(), run()
+    assert first == again
+    assert len({tuple(t) for t in first}) == 3
+
+
+def test_cartridge_cache_through_the_engine(model, engine):
+    doc = torch.randint(VOCAB, (10,), generator=torch.Generator().manual_seed(2))
+    prefix = model.core.prefix_from_tokens(doc)
+    engine.cartridges.put("user/doc/abc12345", prefix)
+    cached = engine.cartridges.get("user/doc/abc12345")
+    got = engine.submit([4, 5, 6], prefixes=[cached], max_new_tokens=8, stop_token_ids=[]).result()
+    expected = model.generate([doc.tolist() + [4, 5, 6]], max_new_tokens=8, stop_token_ids=[])[0]
+    assert got.tokens == expected.tokens
+    stats = engine.stats().cartridges
+    assert stats.entries == 1 and stats.loads == 1 and stats.hits == 1 and stats.bytes == prefix.nbytes
+
+
+def test_typed_errors(model):
+    small = Engine(model, kv_tokens=64, max_waiting=1, max_running=1)
+    try:
+        with pytest.raises(ContextLengthError):
+            small.submit([1] * 10, max_new_tokens=100)  # more than the whole pool
+        with pytest.raises(ContextLengthError):
+            small.submit([1] * 10, max_new_tokens=600)  # more than the context
+        with pytest.raises(ValueError):
+            small.submit([], max_new_tokens=4)
+        with pytest.raises(ValueError):
+            small.submit([1], max_new_tokens=4, temperature=-1)
+        small.submit([1, 2], max_new_tokens=50, stop_token_ids=[])
+        with pytest.raises(EngineBusyError):
+            for _ in range(3):
+                small.submit([1, 2], max_new_tokens=50, stop_token_ids=[])
+        with pytest.raises(TypeError):
+            Engine(model, kv_token=5)
+    finally:
+        small.close()
