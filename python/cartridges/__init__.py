@@ -5,6 +5,7 @@ from importlib.metadata import PackageNotFoundError, version
 import torch  # noqa: F401  (loads libtorch before the compiled core)
 
 from .cartridge import Cartridge, CartridgeFileError, load_cartridge
+from .client import Client
 from .model import Completion, Model, load_model
 from .models import ModelLoadError
 from .selfstudy import TrainConfig
@@ -18,6 +19,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 __all__ = [
     "Cartridge",
     "CartridgeFileError",
+    "Client",
     "Completion",
     "Model",
     "ModelLoadError",
