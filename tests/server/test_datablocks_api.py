@@ -174,3 +174,27 @@ def test_two_users_are_isolated(jobs_server: LiveServer, alice) -> None:
     # The admin key sees them.
     with Client(jobs_server.url, ADMIN_KEY) as admin:
         assert admin.datablocks.retrieve(first["id"])["owner"] == first["owner"]
+
+
+def test_command_line(jobs_server: LiveServer, alice, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from cartridges.cli import main
+
+    _, file_id, key = alice
+    base = ["datablocks", "--base-url", jobs_server.url, "--api-key", key]
+    assert main([*base, "train", file_id, "--name", "cli", "--config", json.dumps(TINY_TRAIN_CONFIG)]) == 0
+    block = json.loads(capsys.readouterr().out)
+    assert block["status"] == "queued" and block["project"] == "cli"
+    assert main([*base, "wait", block["run_id"]]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "succeeded"
+    assert main([*base, "list", "--status", "succeeded"]) == 0
+    assert block["id"] in capsys.readouterr().out
+    assert main([*base, "get", block["id"]]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes"] > 0
+    assert main([*base, "delete", block["id"]]) == 0
+    assert json.loads(capsys.readouterr().out)["deleted"] is True
+    assert main([*base, "get", block["id"]]) == 1
+    assert "not_found" in capsys.readouterr().err
+    assert main([*base, "train", file_id, "--config", '{"bogus": 1}']) == 1
+    assert "unknown_parameter" in capsys.readouterr().err

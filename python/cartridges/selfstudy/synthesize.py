@@ -178,10 +178,10 @@ def synthesize(
         n = min(config.synthesis_batch_size, config.num_samples - len(out))
         # Only the last batch is short, so the count done gives the batch index.
         out.extend(synth.batch(corpus, batch_rng(config.seed, len(out) // config.synthesis_batch_size), n))
-        if on_batch is not None:
-            on_batch(out)
         if on_progress is not None:
             on_progress(len(out), config.num_samples)
+        if on_batch is not None:  # after on_progress, so that a cancel asked there stops here
+            on_batch(out)
     return out
 
 
