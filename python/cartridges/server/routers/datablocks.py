@@ -6,6 +6,7 @@ slashes, hence the `:path` converter."""
 from __future__ import annotations
 
 import json
+from pathlib import Path as PathLib
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query, Request
@@ -58,11 +59,16 @@ async def train_datablock(
             raise APIError(400, f"File '{file_id}' could not be processed: {record.status_details}",
                            code="file_not_processed", param="training_files")
     record = await run_in_threadpool(
-        store.create_datablock, user.owner, project=body.name, model=model, model_path=str(settings.model or ""),
+        store.create_datablock, user.owner, project=body.name, model=model, model_path=_model_path(settings.model),
         training_files=file_ids, config=json.dumps(config.to_dict()), num_tokens=config.num_tokens,
     )
     request.app.state.supervisor.wake()
     return DatablockObject.of(record)
+
+
+def _model_path(model: str | None) -> str:
+    """Absolute, so that a worker started after a restart from elsewhere finds the same model."""
+    return str(PathLib(model).resolve()) if model else ""
 
 
 def _training_files(body: TrainRequest) -> list[str]:
