@@ -50,6 +50,34 @@ void bind_store(py::module_& m) {
       .def_readonly("data", &FilePage::data)
       .def_readonly("has_more", &FilePage::has_more);
 
+  py::class_<DatablockRecord>(m, "DatablockRecord", "A datablock row; JSON columns are JSON strings.")
+      .def_property_readonly("id", &DatablockRecord::id)
+      .def_readonly("run_id", &DatablockRecord::run_id)
+      .def_readonly("owner_id", &DatablockRecord::owner_id)
+      .def_readonly("owner_name", &DatablockRecord::owner_name)
+      .def_readonly("project", &DatablockRecord::project)
+      .def_readonly("model", &DatablockRecord::model)
+      .def_readonly("model_path", &DatablockRecord::model_path)
+      .def_readonly("fingerprint", &DatablockRecord::fingerprint)
+      .def_readonly("training_files", &DatablockRecord::training_files)
+      .def_readonly("config", &DatablockRecord::config)
+      .def_readonly("status", &DatablockRecord::status)
+      .def_readonly("progress", &DatablockRecord::progress)
+      .def_readonly("metrics", &DatablockRecord::metrics)
+      .def_readonly("error_code", &DatablockRecord::error_code)
+      .def_readonly("error_message", &DatablockRecord::error_message)
+      .def_readonly("attempts", &DatablockRecord::attempts)
+      .def_readonly("num_tokens", &DatablockRecord::num_tokens)
+      .def_readonly("bytes", &DatablockRecord::bytes)
+      .def_readonly("created_at", &DatablockRecord::created_at)
+      .def_readonly("started_at", &DatablockRecord::started_at)
+      .def_readonly("finished_at", &DatablockRecord::finished_at)
+      .def_readonly("updated_at", &DatablockRecord::updated_at);
+
+  py::class_<DatablockPage>(m, "DatablockPage")
+      .def_readonly("data", &DatablockPage::data)
+      .def_readonly("has_more", &DatablockPage::has_more);
+
   py::class_<BlobWriter>(m, "BlobWriter", "A blob being written to a temporary file; Store.create_file commits it.")
       .def(
           "write",
@@ -122,7 +150,48 @@ void bind_store(py::module_& m) {
             }
             return py::str(text);  // stored text is UTF-8
           },
-          py::arg("owner"), py::arg("file_id"));
+          py::arg("owner"), py::arg("file_id"))
+      .def(
+          "create_datablock",
+          [](Store& s, const Owner& owner, std::string project, std::string model, std::string model_path,
+             std::vector<std::string> training_files, std::string config, int64_t num_tokens) {
+            NewDatablock spec{std::move(project), std::move(model), std::move(model_path), std::move(training_files),
+                              std::move(config), num_tokens};
+            py::gil_scoped_release release;
+            return s.create_datablock(owner, spec);
+          },
+          py::arg("owner"), py::kw_only(), py::arg("project"), py::arg("model"), py::arg("model_path"),
+          py::arg("training_files"), py::arg("config"), py::arg("num_tokens"))
+      .def("get_datablock", &Store::get_datablock, py::arg("owner"), py::arg("datablock_id"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "list_datablocks",
+          [](Store& s, const Owner& owner, std::optional<std::string> status, std::optional<std::string> after,
+             int64_t limit, bool descending) {
+            DatablockQuery q{std::move(status), std::move(after), limit, descending};
+            py::gil_scoped_release release;
+            return s.list_datablocks(owner, q);
+          },
+          py::arg("owner"), py::kw_only(), py::arg("status") = py::none(), py::arg("after") = py::none(),
+          py::arg("limit") = 10000, py::arg("descending") = true)
+      .def("delete_datablock", &Store::delete_datablock, py::arg("owner"), py::arg("datablock_id"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("start_datablock", &Store::start_datablock, py::arg("owner"), py::arg("datablock_id"),
+           py::arg("fingerprint"), py::call_guard<py::gil_scoped_release>())
+      .def("update_datablock_progress", &Store::update_datablock_progress, py::arg("owner"), py::arg("datablock_id"),
+           py::arg("progress"), py::arg("metrics"), py::call_guard<py::gil_scoped_release>())
+      .def("succeed_datablock", &Store::succeed_datablock, py::arg("owner"), py::arg("datablock_id"),
+           py::arg("cartridge"), py::arg("progress"), py::arg("metrics"), py::call_guard<py::gil_scoped_release>())
+      .def("fail_datablock", &Store::fail_datablock, py::arg("owner"), py::arg("datablock_id"), py::arg("code"),
+           py::arg("message"), py::call_guard<py::gil_scoped_release>())
+      .def("cancel_datablock", &Store::cancel_datablock, py::arg("owner"), py::arg("datablock_id"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("job_dir", &Store::job_dir, py::arg("owner"), py::arg("datablock_id"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("datablock_cartridge_path", &Store::datablock_cartridge_path, py::arg("owner"), py::arg("datablock_id"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("verify_datablock", &Store::verify_datablock, py::arg("owner"), py::arg("datablock_id"),
+           py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace cartridges::bindings

@@ -78,11 +78,11 @@ TEST(StoreIo, RandomTokenUsesAlphabet) {
 TEST_F(StoreTest, MigratesAndReopens) {
   {
     auto s = open();
-    EXPECT_EQ(s->schema_version(), 1);
+    EXPECT_EQ(s->schema_version(), 2);
     s->create_user("alice");
   }
   auto s = open();
-  EXPECT_EQ(s->schema_version(), 1);
+  EXPECT_EQ(s->schema_version(), 2);
   ASSERT_TRUE(s->find_user("alice"));
   EXPECT_FALSE(s->find_user("bob"));
 }

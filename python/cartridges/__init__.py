@@ -5,6 +5,7 @@ from importlib.metadata import PackageNotFoundError, version
 import torch  # noqa: F401  (loads libtorch before the compiled core)
 
 from .cartridge import Cartridge, CartridgeFileError, load_cartridge
+from .client import Client
 from .engine import (
     CacheFullError,
     Completion,
@@ -30,6 +31,7 @@ __all__ = [
     "CacheFullError",
     "Cartridge",
     "CartridgeFileError",
+    "Client",
     "Completion",
     "ContextLengthError",
     "Delta",

@@ -193,10 +193,7 @@ class Cartridge:
             h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return "sha256:" + h.hexdigest()
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the cartridge as safetensors (see the module doc), atomically."""
-        from safetensors.torch import save_file
-
+    def _tensors_and_metadata(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         tensors: dict[str, torch.Tensor] = {}
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             tensors[f"layers.{i}.keys"] = k.detach().cpu().contiguous()
@@ -214,6 +211,20 @@ class Cartridge:
             "config": json.dumps(self.config, sort_keys=True),
             "checksum": self.checksum(),
         }
+        return tensors, metadata
+
+    def to_bytes(self) -> bytes:
+        """The cartridge file's bytes (what `save` writes), e.g. for a store blob."""
+        from safetensors.torch import save
+
+        tensors, metadata = self._tensors_and_metadata()
+        return save(tensors, metadata=metadata)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the cartridge as safetensors (see the module doc), atomically."""
+        from safetensors.torch import save_file
+
+        tensors, metadata = self._tensors_and_metadata()
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         save_file(tensors, str(tmp), metadata=metadata)

@@ -1,4 +1,4 @@
-"""The `cartridges` command line: `serve`, `keys`, `train`, `chat`.
+"""The `cartridges` command line: `serve`, `keys`, `train`, `chat`, `datablocks`.
 
 Each subcommand lives in its own module under `cartridges.commands` and registers itself
 with `register(subparsers)`, setting `run` to the function that executes it.
@@ -12,7 +12,7 @@ import sys
 
 # Subcommand modules, in the order `--help` lists them. A missing module (a piece not built
 # yet) is skipped rather than breaking the others.
-COMMANDS = ("serve", "keys", "train", "chat")
+COMMANDS = ("serve", "keys", "train", "chat", "datablocks")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ import cartridges_core
 
 from .cartridge import Cartridge, core_model, model_fingerprint
 from .selfstudy import Corpus, TrainConfig, next_token_data, synthesize, training_data
+from .selfstudy.checkpoint import load_conversations, save_conversations
 from .selfstudy.prompts import UNRELATED_TEXT
 
 
@@ -31,18 +32,38 @@ def init_params(model: Any, corpus: Corpus, config: TrainConfig) -> cartridges_c
     return cartridges_core.CartridgeParams(prefix, config.num_frozen)
 
 
+class TrainingCancelled(Exception):
+    """train() was cancelled during synthesis, before any training: there is no cartridge."""
+
+
 def prepare_data(
     model: Any,
     corpus: Corpus,
     config: TrainConfig,
     prefix_tokens: int,
     on_progress: Callable[[str, int, int], object] | None = None,
+    *,
+    synthesis_checkpoint: Path | None = None,
+    resume: bool = False,
+    cancel: cartridges_core.CancelToken | None = None,
 ) -> cartridges_core.TrainingData:
     """The training data for `config.objective`: self-study conversations with the teacher's
-    top-k (distill), or windows of the corpus (next_token)."""
+    top-k (distill), or windows of the corpus (next_token). With `synthesis_checkpoint`, the
+    conversations so far are saved after each batch (and `resume` continues from them);
+    `cancel` is checked between batches (TrainingCancelled)."""
     if config.objective == "distill":
         report = (lambda done, total: on_progress("synthesis", done, total)) if on_progress else None
-        conversations = synthesize(model, corpus, config, report)
+        done = []
+        if resume and synthesis_checkpoint is not None and synthesis_checkpoint.exists():
+            done = load_conversations(synthesis_checkpoint)
+
+        def after_batch(conversations: list[Any]) -> None:
+            if synthesis_checkpoint is not None:
+                save_conversations(synthesis_checkpoint, conversations)
+            if cancel is not None and cancel.cancelled:
+                raise TrainingCancelled("cancelled during synthesis")
+
+        conversations = synthesize(model, corpus, config, report, done=done, on_batch=after_batch)
         return training_data(model, conversations, prefix_tokens)
     return next_token_data(corpus, config, core_model(model).config.max_position_embeddings)
 
@@ -95,9 +116,11 @@ def train(
 
     `progress` shows a bar (stage, step, loss) in a terminal or notebook; `on_progress(stage,
     done, total, loss)` is called as well, stage being "synthesis" or "training". With
-    `checkpoint`, the synthesized data is kept beside it (CHECKPOINT.data.pt) and training state
-    is written every `config.checkpoint_every` steps and at the end; `resume` continues from them.
-    `cancel.cancel()` stops training within a step; the cartridge is then the last completed step's.
+    `checkpoint`, synthesis saves its conversations after each batch (CHECKPOINT.synthesis.pt),
+    the synthesized data is kept beside it (CHECKPOINT.data.pt) and training state is written
+    every `config.checkpoint_every` steps and at the end; `resume` continues from them.
+    `cancel.cancel()` stops synthesis between batches (TrainingCancelled) and training within a
+    step; the cartridge is then the last completed step's.
     `data` reuses training data made earlier (`prepare_data`, or `stats["data"]` of an earlier
     cartridge) instead of synthesizing it again, e.g. to compare learning rates.
     The returned cartridge's `stats` holds losses, wall times and the training data."""
@@ -110,15 +133,21 @@ def train(
     try:
         params = init_params(model, corpus, config)
         data_path = Path(f"{checkpoint}.data.pt") if checkpoint is not None else None
+        synthesis_path = Path(f"{checkpoint}.synthesis.pt") if checkpoint is not None else None
         t0 = time.perf_counter()
         if resume and data_path is not None and data_path.exists():
             saved = torch.load(data_path, weights_only=True)
             data = cartridges_core.TrainingData(**saved)
         elif data is None:
-            data = prepare_data(model, corpus, config, params.num_tokens, bar.update)
+            data = prepare_data(model, corpus, config, params.num_tokens, bar.update,
+                                synthesis_checkpoint=synthesis_path, resume=resume, cancel=cancel)
         if data_path is not None and not (resume and data_path.exists()):
             names = ("tokens", "lengths", "target_mask", "topk_ids", "topk_logprobs")
-            torch.save({n: getattr(data, n) for n in names}, data_path)
+            tmp = data_path.with_name(data_path.name + ".tmp")
+            torch.save({n: getattr(data, n) for n in names}, tmp)
+            os.replace(tmp, data_path)  # whole or absent: a resume never reads half a file
+            if synthesis_path is not None:
+                synthesis_path.unlink(missing_ok=True)  # the data supersedes it
         t1 = time.perf_counter()
 
         options = cartridges_core.TrainOptions()

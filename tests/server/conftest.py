@@ -41,9 +41,12 @@ def free_port() -> int:
 class LiveServer:
     """`cartridges serve` in a subprocess on a fresh port."""
 
-    def __init__(self, data_dir: Path, max_upload_bytes: int | None = None) -> None:
+    def __init__(self, data_dir: Path, max_upload_bytes: int | None = None, *, model: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
         self.max_upload_bytes = max_upload_bytes
+        self.model = model  # base model path (--model); None: the default model
+        self.env = env or {}  # extra environment, e.g. CARTRIDGES_* settings
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.log_path = data_dir.parent / f"{data_dir.name}-server.log"
@@ -54,10 +57,12 @@ class LiveServer:
 
     def start(self) -> LiveServer:
         self.port = free_port()
-        env = dict(os.environ, CARTRIDGES_API_KEY=API_KEY, CARTRIDGES_ADMIN_KEY=ADMIN_KEY)
+        env = dict(os.environ, CARTRIDGES_API_KEY=API_KEY, CARTRIDGES_ADMIN_KEY=ADMIN_KEY, **self.env)
         if self.max_upload_bytes is not None:
             env["CARTRIDGES_MAX_UPLOAD_BYTES"] = str(self.max_upload_bytes)
         cmd = [sys.executable, "-m", "cartridges.cli", "serve", "--port", str(self.port)]
+        if self.model is not None:
+            cmd += ["--model", str(self.model)]
         cmd += ["--data-dir", str(self.data_dir), "--log-level", "warning"]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -182,3 +187,20 @@ def multipart(parts: list[tuple[bytes, bytes]], boundary: bytes = b"testboundary
         body += payload + b"\r\n"
     body += b"--" + boundary + b"--\r\n"
     return bytes(body), f"multipart/form-data; boundary={boundary.decode()}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (HF directory) that datablock jobs train on in seconds."""
+    from .tiny_hf_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+def upload_text(client: openai.OpenAI, text: str, name: str = "doc.txt", purpose: str = "cartridge-training") -> str:
+    """Uploads through the official client; returns the file id once processed (or in error)."""
+    created = client.files.create(file=(name, text.encode()), purpose=purpose)  # type: ignore[arg-type]
+    deadline = time.monotonic() + 30
+    while client.files.retrieve(created.id).status == "uploaded" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return created.id

@@ -92,3 +92,32 @@ def test_next_token_objective_and_resume(model, tmp_path):
     resumed = train(model, TEXT, config, progress=False, checkpoint=ckpt, resume=True, on_progress=lambda *a: stopped.append(a))
     assert resumed == full
     assert [a[1] for a in stopped] == [5, 6, 7, 8, 9]
+
+
+def test_synthesis_cancelled_then_resumed_gives_the_uninterrupted_cartridge(model, tmp_path, monkeypatch):
+    """A synthesis stopped between batches keeps its conversations (CHECKPOINT.synthesis.pt);
+    the resumed run makes only the missing batches, and the cartridge is the uninterrupted one."""
+    import cartridges_core
+
+    from cartridges.training import TrainingCancelled
+
+    config = small_config(num_samples=8, synthesis_batch_size=2)
+    full = train(model, [TEXT], config, progress=False)
+    ckpt = tmp_path / "run.ckpt"
+    token = cartridges_core.CancelToken()
+
+    def cancel_after_two_batches(stage, done, total, loss):
+        if stage == "synthesis" and done == 4:
+            token.cancel()
+
+    with pytest.raises(TrainingCancelled):
+        train(model, [TEXT], config, progress=False, checkpoint=ckpt, cancel=token, on_progress=cancel_after_two_batches)
+    assert (tmp_path / "run.ckpt.synthesis.pt").exists() and not (tmp_path / "run.ckpt.data.pt").exists()
+
+    batches = []
+    original = Synthesizer.batch
+    monkeypatch.setattr(Synthesizer, "batch", lambda self, corpus, rng, n: batches.append(n) or original(self, corpus, rng, n))
+    resumed = train(model, [TEXT], config, progress=False, checkpoint=ckpt, resume=True)
+    assert batches == [2, 2]  # the two batches the cancelled run did not make
+    assert resumed == full
+    assert not (tmp_path / "run.ckpt.synthesis.pt").exists()  # superseded by the data file

@@ -124,7 +124,8 @@ struct EngineOptions {
   int64_t max_waiting = 1024;
   // Bytes of cartridges kept loaded in the engine's cartridge cache. Default 1 GiB.
   int64_t cartridge_cache_bytes = int64_t{1} << 30;
-  // Intra-op threads of the compute thread; 0 keeps ATen's current setting. Default 0.
+  // Intra-op threads of the compute thread; 0 takes the creating thread's ATen setting
+  // (torch.set_num_threads). Default 0.
   int num_threads = 0;
 };
 

@@ -12,6 +12,10 @@
 //                            only after its row is deleted. The sweep at open removes
 //                            every temporary and every blob no row points to, so a crash
 //                            at any point never leaves a visible partial object.
+//   jobs/<run_id>/           scratch space of a datablock's training job (checkpoints),
+//                            handed out only while the job is queued or running; removed
+//                            when the job ends or its datablock is deleted, and by the
+//                            sweep at open for every job that is not live any more.
 //
 // Isolation: every call on a user's objects takes an Owner. A user's Owner sees only that
 // user's objects; an object of another user is answered exactly like a missing one
@@ -114,6 +118,56 @@ struct FilePage {
   bool has_more = false;
 };
 
+// A datablock: a cartridge trained by a background job (API.md §2). Its status only moves
+// forward: queued → running → succeeded | failed | cancelled (running → running is a resume).
+struct DatablockRecord {
+  std::string run_id;      // [a-z0-9]{12}, unique on the server
+  int64_t owner_id = 0;
+  std::string owner_name;
+  std::string project;     // [A-Za-z0-9._-]{1,64}
+  std::string model;       // base model id
+  std::string model_path;  // where the worker loads the base model from ("": the default model)
+  std::string fingerprint; // base-model fingerprint; "" until the job has loaded the model
+  std::vector<std::string> training_files;
+  std::string config;      // JSON object: the full training config
+  std::string status;      // "queued" | "running" | "succeeded" | "failed" | "cancelled"
+  std::string progress;    // JSON object, written by the job
+  std::string metrics;     // JSON object, written by the job
+  std::optional<std::string> error_code;     // set when failed
+  std::optional<std::string> error_message;
+  int64_t attempts = 0;    // times a worker started the job (a resume counts)
+  int64_t num_tokens = 0;  // cartridge length in tokens
+  std::optional<int64_t> bytes;  // size of the stored cartridge once succeeded
+  int64_t created_at = 0;
+  std::optional<int64_t> started_at;
+  std::optional<int64_t> finished_at;
+  int64_t updated_at = 0;  // last write by anyone: the job's heartbeat
+
+  // "<owner>/<project>/<run_id>", the identifier clients use.
+  std::string id() const { return owner_name + "/" + project + "/" + run_id; }
+};
+
+struct NewDatablock {
+  std::string project = "default";
+  std::string model;
+  std::string model_path;
+  std::vector<std::string> training_files;  // each must be the owner's file (NotFoundError)
+  std::string config = "{}";                // JSON object
+  int64_t num_tokens = 0;
+};
+
+struct DatablockQuery {
+  std::optional<std::string> status;  // only datablocks in this status
+  std::optional<std::string> after;   // page starts after this datablock (NotFoundError if unseen)
+  int64_t limit = 10000;              // 1..10000
+  bool descending = true;             // by created_at, then insertion order
+};
+
+struct DatablockPage {
+  std::vector<DatablockRecord> data;
+  bool has_more = false;
+};
+
 // A blob being written: bytes go to blobs/tmp/<random>. Store::create_file (or another
 // committing call) makes it permanent; destroying an uncommitted writer removes it.
 class BlobWriter {
@@ -192,6 +246,41 @@ class Store {
   // The text that training and chat use; ConflictError unless processed, CorruptError if damaged.
   std::string file_text(const Owner& owner, const std::string& id);
 
+  // ---- datablocks ----
+  // Wherever a datablock id is taken, both "<owner>/<project>/<run_id>" and the bare run_id
+  // are accepted; a full id whose owner or project does not match is NotFoundError.
+  // Records a queued datablock with a fresh run_id; ValueError-like std::invalid_argument for
+  // a bad project name or JSON, NotFoundError for a training file the owner cannot see.
+  DatablockRecord create_datablock(const Owner& owner, const NewDatablock& spec);
+  DatablockRecord get_datablock(const Owner& owner, const std::string& id);
+  DatablockPage list_datablocks(const Owner& owner, const DatablockQuery& query);
+  // Removes the row and the cartridge blob in one transaction (then the file and the job's
+  // scratch directory), whatever the status: a live job notices on its next write and stops.
+  void delete_datablock(const Owner& owner, const std::string& id);
+  // queued → running (or running → running when a job resumes); counts an attempt and
+  // records the base-model fingerprint. ConflictError from any other status.
+  DatablockRecord start_datablock(const Owner& owner, const std::string& id, const std::string& fingerprint);
+  // Progress and metrics (JSON objects) of a running job. ConflictError unless running: a
+  // job that was cancelled stops when its write is refused.
+  void update_datablock_progress(const Owner& owner, const std::string& id, const std::string& progress,
+                                 const std::string& metrics);
+  // running → succeeded: commits the cartridge blob and records it with final progress and
+  // metrics; the job's scratch directory is removed.
+  DatablockRecord succeed_datablock(const Owner& owner, const std::string& id, BlobWriter& cartridge,
+                                    const std::string& progress, const std::string& metrics);
+  // queued | running → failed with a code and message.
+  DatablockRecord fail_datablock(const Owner& owner, const std::string& id, const std::string& code,
+                                 const std::string& message);
+  // queued | running → cancelled.
+  DatablockRecord cancel_datablock(const Owner& owner, const std::string& id);
+  // The job's scratch directory (created if needed); ConflictError unless queued or running.
+  std::string job_dir(const Owner& owner, const std::string& id);
+  // Path of the stored cartridge after checking its size (CorruptError); ConflictError
+  // unless succeeded.
+  std::string datablock_cartridge_path(const Owner& owner, const std::string& id);
+  // Reads the cartridge blob whole and checks its CRC-32 (CorruptError).
+  void verify_datablock(const Owner& owner, const std::string& id);
+
  private:
   struct BlobRef {
     std::string id;
@@ -206,9 +295,22 @@ class Store {
   std::string blob_path(const std::string& blob_id) const;
   // Reads a blob whole, checking size and CRC-32 (CorruptError); returns it when keep.
   std::string read_blob(const BlobRef& blob, const std::string& what, bool keep) const;
+  // Path of a blob after checking it exists with its recorded size (CorruptError naming `what`).
+  std::string checked_blob_path(const BlobRef& blob, const std::string& what) const;
+  void insert_blob_locked(const BlobRef& blob);  // records a committed blob (inside a transaction)
   // Locked helpers.
   FileRecord get_file_locked(const Owner& owner, const std::string& id);
   BlobRef file_blob_locked(const Owner& owner, const std::string& id, bool text);
+  DatablockRecord get_datablock_locked(const Owner& owner, const std::string& id);
+  BlobRef datablock_blob_locked(const Owner& owner, const std::string& id);
+  // Moves a datablock from one of `from` to `to`, setting the extra assignments (SQL with
+  // ?3 = now). NotFoundError or ConflictError (naming the current status) when it cannot.
+  DatablockRecord transition_locked(const Owner& owner, const std::string& id, const std::vector<std::string>& from,
+                                    const std::string& to, const std::string& assignments,
+                                    const std::vector<std::string>& texts = {});
+  std::string job_dir_path(const std::string& run_id) const;
+  void remove_job_dir(const std::string& run_id);
+  int64_t sweep_job_dirs();
 
   StoreOptions options_;
   std::mutex mutex_;

@@ -44,7 +44,10 @@ class EngineImpl {
         options_(options),
         scheduler_({options.kv_tokens, options.max_running, options.prefill_tokens_per_step, options.max_waiting}),
         pool_(model_->config(), options.kv_tokens, model_->options()),
-        cartridges_(options.cartridge_cache_bytes) {
+        cartridges_(options.cartridge_cache_bytes),
+        // OpenMP's thread count is per thread: a new thread would start from the process
+        // default (every core), not from what the caller chose. Take the caller's when unset.
+        threads_(options.num_threads > 0 ? options.num_threads : at::get_num_threads()) {
     thread_ = std::thread([this] { run(); });
   }
 
@@ -149,7 +152,7 @@ class EngineImpl {
 
  private:
   void run() {
-    if (options_.num_threads > 0) at::set_num_threads(options_.num_threads);
+    at::set_num_threads(threads_);
     std::vector<Event> events;
     for (;;) {
       StepPlan plan;
@@ -315,6 +318,7 @@ class EngineImpl {
   std::vector<Event> events_;
   bool drained_ = false;
 
+  int threads_;
   std::thread thread_;
 };
 

@@ -14,6 +14,7 @@
 #include <unordered_set>
 
 #include "store/blob_io.h"
+#include "store/common.h"
 #include "store/schema.h"
 #include "store/sqlite.h"
 
@@ -24,20 +25,13 @@ namespace {
 using sql::Stmt;
 using sql::Transaction;
 
-constexpr int64_t kMaxListLimit = 10000;
 constexpr size_t kFileIdChars = 24;
 constexpr size_t kBlobIdChars = 32;
 constexpr size_t kReadChunk = 1 << 20;
+constexpr int64_t kMaxListLimit = 10000;
 
-int64_t now() { return static_cast<int64_t>(std::time(nullptr)); }
-
-void check_user_name(const std::string& name) {
-  bool ok = !name.empty() && name.size() <= 64;
-  for (char c : name) {
-    ok = ok && (std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-');
-  }
-  if (!ok) throw std::invalid_argument("invalid user name '" + name + "': use 1 to 64 characters [A-Za-z0-9._-]");
-}
+using store_common::BlobGuard;
+using store_common::now;
 
 std::string file_not_found(const std::string& id) { return "No such file: '" + id + "'"; }
 
@@ -58,27 +52,38 @@ FileRecord read_file_row(const Stmt& s) {
   return f;
 }
 
-// Removes a committed-but-unrecorded blob unless disarmed: keeps the "no row, no blob" rule
-// when recording fails.
-class BlobGuard {
- public:
-  explicit BlobGuard(std::string path) : path_(std::move(path)) {}
-  ~BlobGuard() {
-    if (!path_.empty()) ::unlink(path_.c_str());
-  }
-  void disarm() { path_.clear(); }
-
- private:
-  std::string path_;
-};
-
 }  // namespace
+
+namespace store_common {
+
+void check_name(const std::string& name, const std::string& what) {
+  bool ok = !name.empty() && name.size() <= 64;
+  for (char c : name) {
+    ok = ok && (std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-');
+  }
+  if (!ok) throw std::invalid_argument("invalid " + what + " '" + name + "': use 1 to 64 characters [A-Za-z0-9._-]");
+}
+
+void check_list_limit(int64_t limit) {
+  if (limit < 1 || limit > kMaxListLimit) throw std::invalid_argument("limit must be between 1 and 10000");
+}
+
+std::string page_clause(const std::string& table, bool cursor, bool descending) {
+  const std::string order = table + "created_at, " + table + "seq";
+  std::string out;
+  if (cursor) out += " AND (" + order + (descending ? ") < (?4, ?5)" : ") > (?4, ?5)");
+  const char* dir = descending ? " DESC" : " ASC";
+  return out + " ORDER BY " + table + "created_at" + dir + ", " + table + "seq" + dir + " LIMIT ?6";
+}
+
+}  // namespace store_common
 
 Store::Store(StoreOptions options) : options_(std::move(options)) {
   if (options_.data_dir.empty()) throw std::invalid_argument("StoreOptions.data_dir is required");
   while (options_.data_dir.size() > 1 && options_.data_dir.back() == '/') options_.data_dir.pop_back();
   const std::string& dir = options_.data_dir;
   store_io::make_dirs(dir + "/blobs/tmp");
+  store_io::make_dirs(dir + "/jobs");
 
   const std::string lock_path = dir + "/store.lock";
   lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
@@ -188,13 +193,13 @@ int64_t Store::sweep() {
     std::string path = blobs + "/" + name;
     if (::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::unlink(path.c_str()) == 0) ++removed;
   });
-  return removed;
+  return removed + sweep_job_dirs();
 }
 
 // ---- users and keys ----
 
 User Store::create_user(const std::string& name) {
-  check_user_name(name);
+  store_common::check_name(name, "user name");
   std::lock_guard<std::mutex> lock(mutex_);
   User user{0, name, now()};
   try {
@@ -311,6 +316,26 @@ void Store::remove_blob_file(const std::string& blob_id) {
   ::unlink(blob_path(blob_id).c_str());
 }
 
+void Store::insert_blob_locked(const BlobRef& blob) {
+  Stmt(db(), "INSERT INTO blobs (id, bytes, crc32, created_at) VALUES (?1, ?2, ?3, ?4)")
+      .bind(1, blob.id)
+      .bind(2, blob.bytes)
+      .bind(3, static_cast<int64_t>(blob.crc))
+      .bind(4, now())
+      .run();
+}
+
+std::string Store::checked_blob_path(const BlobRef& blob, const std::string& what) const {
+  const std::string path = blob_path(blob.id);
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) throw CorruptError(what + " is missing");
+  if (st.st_size != blob.bytes) {
+    throw CorruptError(what + " is damaged: expected " + std::to_string(blob.bytes) + " bytes, found " +
+                       std::to_string(st.st_size));
+  }
+  return path;
+}
+
 std::string Store::read_blob(const BlobRef& blob, const std::string& what, bool keep) const {
   const std::string path = blob_path(blob.id);
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -358,12 +383,7 @@ FileRecord Store::create_file(const Owner& owner, BlobWriter& content, const std
   f.status = "uploaded";
   std::lock_guard<std::mutex> lock(mutex_);
   Transaction tx(db());
-  Stmt(db_, "INSERT INTO blobs (id, bytes, crc32, created_at) VALUES (?1, ?2, ?3, ?4)")
-      .bind(1, blob.id)
-      .bind(2, blob.bytes)
-      .bind(3, static_cast<int64_t>(blob.crc))
-      .bind(4, f.created_at)
-      .run();
+  insert_blob_locked(blob);
   Stmt(db_,
        "INSERT INTO files (id, owner_id, filename, purpose, bytes, created_at, status, blob_id) "
        "VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'uploaded', ?7)")
@@ -393,7 +413,7 @@ FileRecord Store::get_file(const Owner& owner, const std::string& id) {
 }
 
 FilePage Store::list_files(const Owner& owner, const FileQuery& query) {
-  if (query.limit < 1 || query.limit > kMaxListLimit) throw std::invalid_argument("limit must be between 1 and 10000");
+  store_common::check_list_limit(query.limit);
   std::lock_guard<std::mutex> lock(mutex_);
   std::optional<std::pair<int64_t, int64_t>> cursor;
   if (query.after) {
@@ -407,9 +427,7 @@ FilePage Store::list_files(const Owner& owner, const FileQuery& query) {
   if (!owner.admin) sql += " AND owner_id = ?1";
   if (query.purpose) sql += " AND purpose = ?2";
   if (query.status) sql += " AND status = ?3";
-  const char* dir = query.descending ? "DESC" : "ASC";
-  if (cursor) sql += query.descending ? " AND (created_at, seq) < (?4, ?5)" : " AND (created_at, seq) > (?4, ?5)";
-  sql += std::string(" ORDER BY created_at ") + dir + ", seq " + dir + " LIMIT ?6";
+  sql += store_common::page_clause("", cursor.has_value(), query.descending);
   Stmt s(db_, sql.c_str());
   if (!owner.admin) s.bind(1, owner.user_id);
   if (query.purpose) s.bind(2, *query.purpose);
@@ -461,12 +479,7 @@ void Store::set_file_processed(const Owner& owner, const std::string& id, const 
     old_text = s.opt_text(0);
     std::optional<std::string> new_text;
     if (blob) {
-      Stmt(db_, "INSERT INTO blobs (id, bytes, crc32, created_at) VALUES (?1, ?2, ?3, ?4)")
-          .bind(1, blob->id)
-          .bind(2, blob->bytes)
-          .bind(3, static_cast<int64_t>(blob->crc))
-          .bind(4, now())
-          .run();
+      insert_blob_locked(*blob);
       new_text = blob->id;
     }
     Stmt(db_, "UPDATE files SET status = 'processed', status_details = NULL, text_blob_id = ?2 WHERE id = ?1")
@@ -519,14 +532,7 @@ std::string Store::file_content_path(const Owner& owner, const std::string& id) 
     std::lock_guard<std::mutex> lock(mutex_);
     blob = file_blob_locked(owner, id, false);
   }
-  const std::string path = blob_path(blob.id);
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) throw CorruptError("content of file '" + id + "' is missing");
-  if (st.st_size != blob.bytes) {
-    throw CorruptError("content of file '" + id + "' is damaged: expected " + std::to_string(blob.bytes) +
-                       " bytes, found " + std::to_string(st.st_size));
-  }
-  return path;
+  return checked_blob_path(blob, "content of file '" + id + "'");
 }
 
 void Store::verify_file(const Owner& owner, const std::string& id) {

@@ -141,19 +141,37 @@ def _topk_tensors(logprobs) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.contiguous(), values.contiguous()
 
 
+def batch_rng(seed: int, batch: int) -> random.Random:
+    """The random stream of one batch: derived from (seed, batch index) alone, so that a run
+    resumed after some batches draws exactly what an uninterrupted run would."""
+    return random.Random(f"selfstudy:{seed}:{batch}")
+
+
 def synthesize(
-    model, corpus: Corpus, config: TrainConfig, on_progress: Callable[[int, int], object] | None = None
+    model,
+    corpus: Corpus,
+    config: TrainConfig,
+    on_progress: Callable[[int, int], object] | None = None,
+    *,
+    done: Sequence[Conversation] = (),
+    on_batch: Callable[[list[Conversation]], object] | None = None,
 ) -> list[Conversation]:
     """`config.num_samples` conversations about random chunks of `corpus`, deterministic in
-    `config.seed`. `on_progress(done, total)` is called after each batch."""
+    `config.seed`. `on_progress(done, total)` is called after each batch.
+
+    Resuming: `done` holds the conversations of the batches already made (as `on_batch` last
+    saw them); synthesis continues with the next batch. `on_batch(conversations so far)` runs
+    after each batch: the place to checkpoint, or to stop by raising."""
     synth = Synthesizer(model, config)
-    rng = random.Random(config.seed)
-    out: list[Conversation] = []
+    out: list[Conversation] = list(done)
     while len(out) < config.num_samples:
         n = min(config.synthesis_batch_size, config.num_samples - len(out))
-        out.extend(synth.batch(corpus, rng, n))
+        # Only the last batch is short, so the count done gives the batch index.
+        out.extend(synth.batch(corpus, batch_rng(config.seed, len(out) // config.synthesis_batch_size), n))
         if on_progress is not None:
             on_progress(len(out), config.num_samples)
+        if on_batch is not None:  # after on_progress, so that a cancel asked there stops here
+            on_batch(out)
     return out
 
 

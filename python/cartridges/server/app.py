@@ -10,10 +10,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from cartridges import __version__
+from cartridges.jobs import Supervisor
 from cartridges.server import keys
 from cartridges.server.errors import install_error_handlers, strip_default_422
 from cartridges.server.extraction import Extractor
-from cartridges.server.routers import files
+from cartridges.server.routers import datablocks, files
 from cartridges.server.settings import Settings
 from cartridges.server.storage import core, open_store
 
@@ -41,9 +42,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.admin_user_id = admin.id if admin else 0
             app.state.extractor = Extractor(store, core().Owner(0, True))
             await app.state.extractor.start()
+            app.state.supervisor = Supervisor(store, settings.data_dir, max_jobs=settings.max_jobs,
+                                              worker_threads=settings.worker_threads)
+            app.state.supervisor.start()
             try:
                 yield
             finally:
+                app.state.supervisor.stop()
                 await app.state.extractor.stop()
         finally:
             store.close()
@@ -53,6 +58,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     for prefix in API_PREFIXES:
         app.include_router(files.router, prefix=prefix)
+        app.include_router(datablocks.router, prefix=prefix)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

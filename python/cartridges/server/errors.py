@@ -110,6 +110,12 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     if first.get("type") == "missing":
         code = "missing_required_parameter"
         message = f"Missing required parameter: '{param}'."
+    elif first.get("type") == "json_invalid":
+        code, param = "invalid_json", None
+        message = f"The body is not valid JSON: {first.get('ctx', {}).get('error', 'invalid')}."
+    elif first.get("type") == "extra_forbidden":
+        code = "unknown_parameter"
+        message = f"Unknown parameter: '{param}'."
     else:
         code = "invalid_purpose" if param == "purpose" else "invalid_value"
         message = f"Invalid value for '{param}': {first.get('msg', 'invalid')}."

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
+ListT = TypeVar("ListT", bound=BaseModel)
 Purpose = Literal["cartridge-training", "assistants"]
 PURPOSES: tuple[str, ...] = ("cartridge-training", "assistants")
 FileStatus = Literal["uploaded", "processed", "error"]
@@ -56,6 +57,12 @@ class FileList(BaseModel):
     first_id: str | None = Field(description="Id of the first entry of this page, null when empty.")
     last_id: str | None = Field(description="Id of the last entry: pass it as `after` for the next page.")
     has_more: bool = Field(description="Whether more entries follow this page.")
+
+
+def list_object(cls: type[ListT], data: list[Any], has_more: bool) -> ListT:
+    """A list object (`FileList`, `DatablockList`) for one page of entries with an `id`."""
+    return cls(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+               has_more=has_more)
 
 
 class FileDeleted(BaseModel):

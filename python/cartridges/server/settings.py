@@ -20,6 +20,8 @@ ENV_VARS = {
     "max_upload_bytes": "CARTRIDGES_MAX_UPLOAD_BYTES",
     "api_key": "CARTRIDGES_API_KEY",
     "admin_key": "CARTRIDGES_ADMIN_KEY",
+    "max_jobs": "CARTRIDGES_MAX_JOBS",
+    "worker_threads": "CARTRIDGES_WORKER_THREADS",
 }
 
 
@@ -41,6 +43,10 @@ class Settings:
     """A key that may act on every user's objects; None disables it."""
     store_sync: bool = True
     """fsync blobs and directories (off only for throwaway stores in benchmarks)."""
+    max_jobs: int = 1
+    """Training jobs run at once, each in its own worker process."""
+    worker_threads: int = 0
+    """Intra-op threads of each training worker; 0: half the cores, the rest left to serving."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
@@ -58,6 +64,8 @@ class Settings:
         settings = replace(cls(), **values)
         if settings.max_upload_bytes < 1:
             raise ValueError("max_upload_bytes must be positive")
+        if settings.max_jobs < 1 or settings.worker_threads < 0:
+            raise ValueError("max_jobs must be positive and worker_threads not negative")
         return settings
 
 

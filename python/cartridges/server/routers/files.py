@@ -19,6 +19,7 @@ from cartridges.server.schemas import (
     FileListEntry,
     FileObject,
     Purpose,
+    list_object,
 )
 from cartridges.server.uploads import file_extension, receive_upload
 
@@ -55,13 +56,7 @@ def list_files(
 ) -> FileList:
     """The caller's files, newest first by default, in pages walked with `after`."""
     page = store.list_files(user.owner, purpose=purpose, after=after, limit=limit, descending=order == "desc")
-    data = [FileListEntry.of(r) for r in page.data]
-    return FileList(
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=page.has_more,
-    )
+    return list_object(FileList, [FileListEntry.of(r) for r in page.data], page.has_more)
 
 
 @router.get(

@@ -1,0 +1,188 @@
+"""The supervisor: runs in the server, starts one worker process per job (`max_jobs` at a
+time, oldest first), and keeps every datablock moving to an end.
+
+- A job left `running` by a server that died is started again and resumes from its
+  checkpoints; after MAX_ATTEMPTS starts it ends `failed` with `interrupted` instead, so that
+  a job that kills its worker every time cannot loop forever.
+- A worker that dies while its job is live (crash, out of memory, kill -9) fails the job with
+  `worker_crashed` and the reason; the next job starts. The server itself is never touched.
+- A job deleted or cancelled while running stops itself within a heartbeat (it is told by the
+  store); a worker that does not exit within CANCEL_GRACE_S is killed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .worker import EXIT_BUSY
+
+log = logging.getLogger("cartridges.jobs")
+
+MAX_ATTEMPTS = 3
+CANCEL_GRACE_S = 5.0
+POLL_S = 0.5
+
+
+@dataclass
+class _Worker:
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    stop_seen_at: float | None = None  # when the job was found deleted or ended
+    started_at: float = field(default_factory=time.monotonic)
+
+
+def default_worker_threads() -> int:
+    """Half the cores (at least one): the other half stays with the server's engine."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+class Supervisor:
+    def __init__(self, store: Any, data_dir: str | os.PathLike[str], *, max_jobs: int = 1,
+                 worker_threads: int = 0, poll_s: float = POLL_S) -> None:
+        from ..server.storage import core
+
+        self._core = core()
+        self._admin = self._core.Owner(0, True)
+        self._store = store
+        self._data_dir = str(data_dir)
+        self.max_jobs = max(1, max_jobs)
+        self.worker_threads = worker_threads or default_worker_threads()
+        self._poll_s = poll_s
+        self._workers: dict[str, _Worker] = {}
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="job-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Look at the store now (a job was queued or deleted) rather than at the next poll."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Stops the workers; their jobs stay `running` and resume at the next start."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        for worker in self._workers.values():
+            if worker.proc.poll() is None:
+                worker.proc.kill()
+            worker.proc.wait()
+        self._workers.clear()
+
+    def worker_pids(self) -> dict[str, int]:
+        return {run_id: w.proc.pid for run_id, w in list(self._workers.items())}
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._reap()
+                self._stop_abandoned()
+                self._launch()
+            except Exception:  # the supervisor must outlive any one bad row or transient error
+                log.exception("job supervisor")
+            self._wake.wait(self._poll_s)
+            self._wake.clear()
+
+    def _record(self, run_id: str) -> Any | None:
+        try:
+            return self._store.get_datablock(self._admin, run_id)
+        except self._core.NotFoundError:
+            return None
+
+    def _reap(self) -> None:
+        for run_id, worker in list(self._workers.items()):
+            code = worker.proc.poll()
+            if code is None or self._stopping.is_set():
+                continue
+            del self._workers[run_id]
+            record = self._record(run_id)
+            if record is None or record.status not in ("queued", "running") or code == EXIT_BUSY:
+                continue
+            reason = _describe_exit(code)
+            last = _last_line(worker.log_path)
+            message = f"the training worker {reason}" + (f"; last output: {last}" if last else "")
+            log.error("job %s: %s", run_id, message)
+            self._fail(run_id, "worker_crashed", message)
+
+    def _stop_abandoned(self) -> None:
+        now = time.monotonic()
+        for run_id, worker in list(self._workers.items()):
+            record = self._record(run_id)
+            if record is not None and record.status in ("queued", "running"):
+                continue
+            if worker.stop_seen_at is None:
+                worker.stop_seen_at = now  # it will notice through its heartbeat
+            elif now - worker.stop_seen_at > CANCEL_GRACE_S and worker.proc.poll() is None:
+                log.warning("job %s: worker did not stop after cancellation; killing it", run_id)
+                worker.proc.kill()
+
+    def _launch(self) -> None:
+        while len(self._workers) < self.max_jobs and not self._stopping.is_set():
+            record = self._next_job()
+            if record is None:
+                return
+            if record.status == "running" and record.attempts >= MAX_ATTEMPTS:
+                self._fail(record.run_id, "interrupted",
+                           f"the job was interrupted {record.attempts} times and is not resumed again")
+                continue
+            self._start_worker(record.run_id)
+
+    def _next_job(self) -> Any | None:
+        """Interrupted jobs first (they hold checkpoints), then the oldest queued one."""
+        for status in ("running", "queued"):
+            page = self._store.list_datablocks(self._admin, status=status, descending=False,
+                                               limit=len(self._workers) + 1)
+            for record in page.data:
+                if record.run_id not in self._workers:
+                    return record
+        return None
+
+    def _start_worker(self, run_id: str) -> None:
+        try:
+            log_path = Path(self._store.job_dir(self._admin, run_id)) / "worker.log"
+        except (self._core.NotFoundError, self._core.ConflictError):
+            return  # deleted or ended meanwhile
+        env = dict(os.environ, CARTRIDGES_WORKER_THREADS=str(self.worker_threads))
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "cartridges.jobs.worker", run_id, self._data_dir],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+            )
+        self._workers[run_id] = _Worker(proc, log_path)
+        log.info("job %s: worker %d started", run_id, proc.pid)
+
+    def _fail(self, run_id: str, code: str, message: str) -> None:
+        try:
+            self._store.fail_datablock(self._admin, run_id, code, message)
+        except (self._core.NotFoundError, self._core.ConflictError):
+            pass
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+        hint = " (out of memory, or killed)" if -code == signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with status {code} before finishing the job"
+
+
+def _last_line(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 2000))
+            lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""

@@ -1,0 +1,221 @@
+"""The training worker: `run_job(run_id, data_dir)` trains one datablock, reading everything
+it needs from the store and writing progress, checkpoints and the cartridge back to it.
+
+Run as `python -m cartridges.jobs.worker RUN_ID DATA_DIR` by the supervisor, one process per
+job: whatever happens to it (a crash, out of memory, kill -9) the server and the store are
+unharmed. It may stop at any moment: synthesis and training checkpoint into the job's
+scratch directory, and a later run of the same job resumes from there.
+
+Environment (set by the supervisor, not part of the entry point's contract):
+  CARTRIDGES_WORKER_THREADS   intra-op threads (torch.set_num_threads); unset: torch's default
+  CARTRIDGES_JOB_STEP_DELAY_S sleep after each synthesis batch and training step (tests and
+                              demos: makes a tiny job last long enough to watch or kill)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("cartridges.jobs")
+
+FILE_WAIT_POLL_S = 0.2
+# Training steps between checkpoints when the config leaves it to us (checkpoint_every = 0).
+DEFAULT_CHECKPOINT_EVERY = 10
+EXIT_BUSY = 75  # another worker holds this job
+
+
+class JobFailed(Exception):
+    """The job cannot succeed; `code` and the message become the datablock's `error`."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def run_job(run_id: str, data_dir: str | os.PathLike[str]) -> int:
+    """Trains datablock `run_id` of the store in `data_dir` to its end; returns an exit code."""
+    import torch  # noqa: F401  (loads libtorch before the compiled core)
+
+    import cartridges_core as core
+
+    store = core.Store(str(data_dir))
+    admin = core.Owner(0, True)
+    try:
+        record = store.get_datablock(admin, run_id)
+        if record.status not in ("queued", "running"):
+            return 0
+        lock = _lock_job(store.job_dir(admin, run_id))
+        if lock is None:
+            return EXIT_BUSY
+        owner = core.Owner(record.owner_id, False)  # the job acts as its owner from here on
+        cancel = core.CancelToken()
+        from .progress import JobProgress
+
+        progress = JobProgress(store, owner, run_id, cancel, core)
+        try:
+            _train(store, owner, record, progress, cancel)
+        except JobFailed as failure:
+            _fail(store, owner, run_id, failure.code, str(failure))
+        except (core.NotFoundError, core.ConflictError):
+            return 0  # deleted or cancelled meanwhile
+        except Exception as error:  # a bug or a resource failure: the job fails, with why
+            if progress.stopped:
+                return 0
+            log.exception("job %s failed", run_id)
+            _fail(store, owner, run_id, "training_failed", f"{type(error).__name__}: {error}")
+        finally:
+            progress.close()
+            os.close(lock)
+        return 0
+    except (core.NotFoundError, core.ConflictError):
+        return 0  # deleted or cancelled meanwhile: nothing to do
+    finally:
+        store.close()
+
+
+def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> None:
+    import cartridges_core as core
+
+    from ..selfstudy.config import TrainConfig
+    from ..training import TrainingCancelled, train
+
+    run_id = record.run_id
+    config = TrainConfig.from_dict(json.loads(record.config))
+    texts = _training_texts(store, owner, record, progress)
+    if progress.stopped:
+        return
+    model = _load_model(record.model_path)
+    if record.fingerprint and record.fingerprint != model.fingerprint:
+        raise JobFailed("interrupted", "the server's base model changed since this job started; it cannot resume")
+    store.start_datablock(owner, run_id, model.fingerprint)
+    progress.start()
+    scratch = Path(store.job_dir(owner, run_id))
+    delay = float(os.environ.get("CARTRIDGES_JOB_STEP_DELAY_S") or 0)
+
+    def on_progress(stage: str, done: int, total: int, loss: float | None) -> bool:
+        if stage == "synthesis":
+            progress.update("synthesizing", done, total, synthetic_samples=done)
+        else:
+            progress.update("training", done, total, loss=loss)
+        if delay:
+            time.sleep(delay)
+        return not progress.stopped
+
+    run_config = config
+    if config.checkpoint_every == 0:
+        run_config = dataclasses.replace(config, checkpoint_every=DEFAULT_CHECKPOINT_EVERY)
+    progress.update("synthesizing" if config.objective == "distill" else "training", 0, config.num_samples)
+    try:
+        cartridge = train(model, texts, run_config, progress=False, checkpoint=scratch / "train.ckpt",
+                          resume=True, cancel=cancel, on_progress=on_progress)
+    except TrainingCancelled:
+        return
+    if progress.stopped or cartridge.stats["cancelled"]:
+        return
+    cartridge.config = config.to_dict()  # the config as requested, not our checkpoint cadence
+    stats = cartridge.stats
+    progress.update("saving", stats["steps"], stats["steps"], synthetic_samples=stats["num_conversations"],
+                    train_tokens=stats["num_target_tokens"],
+                    loss=stats["losses"][-1] if stats["losses"] else None)
+    blob = store.begin_blob()
+    blob.write(cartridge.to_bytes())
+    final = {"stage": "done", "completed": stats["steps"], "total": stats["steps"], "eta_seconds": 0}
+    progress.close()  # no heartbeat after this: the last write is the status change
+    store.succeed_datablock(owner, run_id, blob, json.dumps(final), json.dumps(progress.metrics))
+
+
+def _training_texts(store: Any, owner: Any, record: Any, progress: Any) -> list[str]:
+    """The files' extracted texts; a file still being processed is waited for."""
+    import cartridges_core as core
+
+    texts = []
+    for file_id in record.training_files:
+        while True:
+            try:
+                status = store.get_file(owner, file_id).status
+            except core.NotFoundError:
+                raise JobFailed("file_not_found", f"training file '{file_id}' was deleted before training") from None
+            if status == "processed":
+                break
+            if status == "error":
+                raise JobFailed("file_not_processed", f"training file '{file_id}' could not be processed")
+            store.get_datablock(owner, record.run_id)  # NotFoundError once deleted: stop waiting
+            time.sleep(FILE_WAIT_POLL_S)
+        try:
+            texts.append(store.file_text(owner, file_id))
+        except core.NotFoundError:
+            raise JobFailed("file_not_found", f"training file '{file_id}' was deleted before training") from None
+        except core.CorruptError as error:
+            raise JobFailed("file_damaged", str(error)) from None
+    return texts
+
+
+def _load_model(model_path: str) -> Any:
+    from ..model import load_model
+    from ..models import ModelLoadError
+
+    try:
+        return load_model(model_path or None)
+    except ModelLoadError as error:
+        raise JobFailed("model_unavailable", str(error)) from None
+
+
+def _fail(store: Any, owner: Any, run_id: str, code: str, message: str) -> None:
+    import cartridges_core as core
+
+    try:
+        store.fail_datablock(owner, run_id, code, message[:2000])
+    except (core.NotFoundError, core.ConflictError):
+        pass  # deleted or cancelled meanwhile
+
+
+def _lock_job(scratch: str) -> int | None:
+    """An exclusive lock on the job's scratch directory: one worker per job, ever."""
+    fd = os.open(os.path.join(scratch, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _die_with_parent() -> None:
+    """The worker must not outlive the server (a restarted server starts its own): Linux
+    delivers SIGKILL to us when the parent dies."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m cartridges.jobs.worker RUN_ID DATA_DIR", file=sys.stderr)
+        return 2
+    _die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    import torch
+
+    threads = int(os.environ.get("CARTRIDGES_WORKER_THREADS") or 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    return run_job(args[0], args[1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Request and response bodies of the datablocks API (API.md §2), as pydantic models."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DatablockStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+Stage = Literal["queued", "synthesizing", "training", "saving", "done"]
+MAX_TRAINING_FILES = 100  # API.md §5
+
+
+class TrainRequest(BaseModel):
+    """Exactly one of `training_files` and `training_file`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    training_files: list[str] | None = Field(default=None, description="The files to train on (1 to 100).")
+    training_file: str | None = Field(default=None, description="One file to train on.")
+    name: str = Field(default="default", pattern=r"^[A-Za-z0-9._-]{1,64}$",
+                      description="The project: the middle part of the datablock id.")
+    model: str | None = Field(default=None, description="Base model id; default: the server's model.")
+    config: dict[str, Any] | None = Field(
+        default=None,
+        description="Overrides of the training config (every field of the library's `TrainConfig`; "
+        "`learning_rate` is accepted for `lr`). Unknown fields are refused.",
+    )
+
+
+class Progress(BaseModel):
+    stage: Stage
+    completed: int
+    total: int
+    eta_seconds: int | None = Field(default=None, description="Estimated seconds left in this stage.")
+
+
+class Metrics(BaseModel):
+    loss: float | None = None
+    synthetic_samples: int | None = None
+    train_tokens: int | None = None
+    quality: dict[str, Any] | None = None
+
+
+class DatablockError(BaseModel):
+    code: str
+    message: str
+
+
+class DatablockObject(BaseModel):
+    id: str = Field(description="`<owner>/<project>/<run_id>`.")
+    object: Literal["datablock"] = "datablock"
+    run_id: str
+    project: str
+    owner: str
+    model: str = Field(description="Base model id the cartridge belongs to.")
+    status: DatablockStatus
+    training_files: list[str]
+    config: dict[str, Any] = Field(description="The full training config, defaults filled in.")
+    created_at: int
+    started_at: int | None
+    finished_at: int | None
+    progress: Progress
+    metrics: Metrics
+    num_tokens: int
+    bytes: int | None = Field(description="Size of the stored cartridge once trained.")
+    error: DatablockError | None
+
+    @classmethod
+    def of(cls, record: Any) -> DatablockObject:
+        error = None
+        if record.error_code is not None:
+            error = DatablockError(code=record.error_code, message=record.error_message or "")
+        return cls(
+            id=record.id,
+            run_id=record.run_id,
+            project=record.project,
+            owner=record.owner_name,
+            model=record.model,
+            status=record.status,
+            training_files=list(record.training_files),
+            config=json.loads(record.config),
+            created_at=record.created_at,
+            started_at=record.started_at,
+            finished_at=record.finished_at,
+            progress=Progress(**json.loads(record.progress)),
+            metrics=Metrics(**json.loads(record.metrics)),
+            num_tokens=record.num_tokens,
+            bytes=record.bytes,
+            error=error,
+        )
+
+
+class DatablockList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[DatablockObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class DatablockDeleted(BaseModel):
+    id: str
+    object: Literal["datablock"] = "datablock"
+    deleted: Literal[True] = True

@@ -1,0 +1,115 @@
+"""Datablocks (API.md §2): train a cartridge as a background job, list, retrieve, delete.
+
+A datablock id is `<owner>/<project>/<run_id>` or the bare run id; the full form holds
+slashes, hence the `:path` converter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path as PathLib
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Path, Query, Request
+from starlette.concurrency import run_in_threadpool
+
+from cartridges.jobs import ConfigError, base_model_id, train_config_from_request
+from cartridges.server.datablock_schemas import (
+    MAX_TRAINING_FILES,
+    DatablockDeleted,
+    DatablockList,
+    DatablockObject,
+    DatablockStatus,
+    TrainRequest,
+)
+from cartridges.server.deps import CurrentUser, SettingsDep, StoreDep
+from cartridges.server.errors import APIError, error_responses
+from cartridges.server.schemas import list_object
+
+router = APIRouter(tags=["datablocks"])
+
+DatablockId = Annotated[str, Path(description="`<owner>/<project>/<run_id>`, or the bare run id.")]
+
+
+@router.post(
+    "/datablocks/train",
+    summary="Train a datablock",
+    response_model=DatablockObject,
+    responses=error_responses(400, 401, 404, 500),
+)
+async def train_datablock(
+    body: TrainRequest, request: Request, user: CurrentUser, store: StoreDep, settings: SettingsDep
+) -> DatablockObject:
+    """Queues a training job on the caller's processed `cartridge-training` files (a file still
+    being processed is waited for). The answer is the datablock, `status: "queued"`."""
+    file_ids = _training_files(body)
+    try:
+        config = train_config_from_request(body.config)
+    except ConfigError as error:
+        raise APIError(400, str(error), code=error.code, param=error.param) from None
+    model = base_model_id(settings.model)
+    if body.model is not None and body.model != model:
+        raise APIError(400, f"Unknown model '{body.model}': this server trains for '{model}'.",
+                       code="model_not_found", param="model")
+    for file_id in file_ids:
+        record = await run_in_threadpool(store.get_file, user.owner, file_id)  # 404 if not the caller's
+        if record.purpose != "cartridge-training":
+            raise APIError(400, f"File '{file_id}' has purpose '{record.purpose}'; training needs "
+                           "'cartridge-training'.", code="invalid_purpose", param="training_files")
+        if record.status == "error":
+            raise APIError(400, f"File '{file_id}' could not be processed: {record.status_details}",
+                           code="file_not_processed", param="training_files")
+    record = await run_in_threadpool(
+        store.create_datablock, user.owner, project=body.name, model=model, model_path=_model_path(settings.model),
+        training_files=file_ids, config=json.dumps(config.to_dict()), num_tokens=config.num_tokens,
+    )
+    request.app.state.supervisor.wake()
+    return DatablockObject.of(record)
+
+
+def _model_path(model: str | None) -> str:
+    """Absolute, so that a worker started after a restart from elsewhere finds the same model."""
+    return str(PathLib(model).resolve()) if model else ""
+
+
+def _training_files(body: TrainRequest) -> list[str]:
+    if (body.training_files is None) == (body.training_file is None):
+        raise APIError(400, "Give exactly one of 'training_files' and 'training_file'.",
+                       code="invalid_value", param="training_files")
+    files = body.training_files if body.training_files is not None else [body.training_file or ""]
+    if not 1 <= len(files) <= MAX_TRAINING_FILES:
+        raise APIError(400, f"'training_files' takes 1 to {MAX_TRAINING_FILES} file ids.",
+                       code="invalid_value", param="training_files")
+    return list(dict.fromkeys(files))  # a file given twice is trained on once
+
+
+@router.get("/datablocks", summary="List datablocks", response_model=DatablockList,
+            responses=error_responses(400, 401, 404, 500))
+def list_datablocks(
+    user: CurrentUser,
+    store: StoreDep,
+    status: Annotated[DatablockStatus | None, Query(description="Only datablocks in this status.")] = None,
+    limit: Annotated[int, Query(ge=1, le=10000, description="Page size.")] = 10000,
+    order: Annotated[Literal["asc", "desc"], Query(description="By `created_at`.")] = "desc",
+    after: Annotated[str | None, Query(description="A datablock id: the page starts after it (404 if unknown).")] = None,
+) -> DatablockList:
+    """The caller's datablocks, newest first by default, in pages walked with `after`."""
+    page = store.list_datablocks(user.owner, status=status, after=after, limit=limit, descending=order == "desc")
+    return list_object(DatablockList, [DatablockObject.of(r) for r in page.data], page.has_more)
+
+
+@router.get("/datablocks/{datablock_id:path}", summary="Retrieve a datablock", response_model=DatablockObject,
+            responses=error_responses(401, 404, 500))
+def retrieve_datablock(datablock_id: DatablockId, user: CurrentUser, store: StoreDep) -> DatablockObject:
+    """The datablock, with its job's status, progress and metrics."""
+    return DatablockObject.of(store.get_datablock(user.owner, datablock_id))
+
+
+@router.delete("/datablocks/{datablock_id:path}", summary="Delete a datablock", response_model=DatablockDeleted,
+               responses=error_responses(401, 404, 500))
+def delete_datablock(datablock_id: DatablockId, request: Request, user: CurrentUser, store: StoreDep) -> DatablockDeleted:
+    """Cancels its job if queued or running (the worker stops within seconds) and removes the
+    datablock and its cartridge for good."""
+    record = store.get_datablock(user.owner, datablock_id)
+    store.delete_datablock(user.owner, record.run_id)
+    request.app.state.supervisor.wake()
+    return DatablockDeleted(id=record.id)

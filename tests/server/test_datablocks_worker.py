@@ -1,0 +1,86 @@
+"""The worker and the supervisor in process, on a store of our own: a training file still being
+processed is waited for, one that fails processing fails the job, a job interrupted too many
+times ends `failed/interrupted`."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cartridges.jobs import Supervisor, train_config_from_request
+from cartridges.jobs.supervisor import MAX_ATTEMPTS
+from cartridges.jobs.worker import run_job
+from cartridges.server.storage import core, open_store
+
+from .tiny_hf_model import DOCUMENT, TINY_TRAIN_CONFIG
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = open_store(tmp_path / "data", sync=False)
+    yield s
+    s.close()
+
+
+def queue_job(store, model_dir: Path) -> tuple[object, str, str]:
+    owner = core().Owner(store.create_user("alice").id, False)
+    writer = store.begin_blob()
+    writer.write(DOCUMENT.encode())
+    file_id = store.create_file(owner, writer, "doc.txt", "cartridge-training").id  # status: uploaded
+    config = train_config_from_request(TINY_TRAIN_CONFIG)
+    block = store.create_datablock(owner, project="default", model="tiny", model_path=str(model_dir),
+                                   training_files=[file_id], config=json.dumps(config.to_dict()),
+                                   num_tokens=config.num_tokens)
+    return owner, file_id, block.run_id
+
+
+def run_in_thread(run_id: str, data_dir: str) -> threading.Thread:
+    thread = threading.Thread(target=run_job, args=(run_id, data_dir), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_file_still_processing_is_waited_for(store, tiny_model_dir: Path) -> None:
+    owner, file_id, run_id = queue_job(store, tiny_model_dir)
+    worker = run_in_thread(run_id, store.data_dir)
+    time.sleep(1.0)
+    assert store.get_datablock(owner, run_id).status == "queued"  # waiting for the text
+    store.set_file_processed(owner, file_id, None)
+    worker.join(timeout=120)
+    record = store.get_datablock(owner, run_id)
+    assert record.status == "succeeded", (record.error_code, record.error_message)
+    assert record.fingerprint and record.attempts == 1
+
+
+def test_a_file_that_fails_processing_fails_the_job(store, tiny_model_dir: Path) -> None:
+    owner, file_id, run_id = queue_job(store, tiny_model_dir)
+    worker = run_in_thread(run_id, store.data_dir)
+    time.sleep(0.5)
+    store.set_file_error(owner, file_id, "not valid UTF-8")
+    worker.join(timeout=60)
+    record = store.get_datablock(owner, run_id)
+    assert (record.status, record.error_code) == ("failed", "file_not_processed")
+    assert not (Path(store.data_dir) / "jobs" / run_id).exists()
+
+
+def test_a_job_interrupted_too_often_ends_failed_interrupted(store, tiny_model_dir: Path) -> None:
+    owner, _, run_id = queue_job(store, tiny_model_dir)
+    for _ in range(MAX_ATTEMPTS):
+        store.start_datablock(owner, run_id, "fp")  # three servers died while it ran
+    supervisor = Supervisor(store, store.data_dir, poll_s=0.05)
+    supervisor.start()
+    try:
+        deadline = time.monotonic() + 10
+        while store.get_datablock(owner, run_id).status == "running" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert supervisor.worker_pids() == {}
+    finally:
+        supervisor.stop()
+    record = store.get_datablock(owner, run_id)
+    assert (record.status, record.error_code) == ("failed", "interrupted")
