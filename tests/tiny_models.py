@@ -37,7 +37,7 @@ def tiny_hf_config(kind: str) -> transformers.PretrainedConfig:
 KINDS = ["llama", "llama-tied", "llama3-rope", "qwen2", "qwen3"]
 
 
-def build_pair(kind: str, seed: int = 0) -> tuple[transformers.PreTrainedModel, Model]:
+def build_pair(kind: str, seed: int = 0, device: str = "cpu") -> tuple[transformers.PreTrainedModel, Model]:
     torch.manual_seed(seed)
     hf_config = tiny_hf_config(kind)
     hf = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
@@ -50,5 +50,5 @@ def build_pair(kind: str, seed: int = 0) -> tuple[transformers.PreTrainedModel, 
     tensors = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    return hf, Model(config, tensors, None, name=f"tiny-{kind}")
+    return hf, Model(config, tensors, None, name=f"tiny-{kind}", device=device)
 

@@ -1,0 +1,61 @@
+"""The engine on CUDA in bfloat16 (skipped without a GPU): the forward against transformers
+in float32, and the engine's own guarantees (requests batched equal each alone, a cartridge
+equals its text in context, log-probabilities equal a full forward's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny_models import VOCAB, build_pair
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def pair(request):
+    hf, model = build_pair(request.param, device="cuda")
+    assert model.device.startswith("cuda") and model.dtype == "bfloat16"
+    return hf, model
+
+
+def test_forward_close_to_transformers(pair):
+    hf, model = pair
+    tokens = torch.randint(VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+    ours = model.core.forward(tokens).float().cpu()
+    error = (ours - theirs).abs().max() / theirs.abs().max()
+    assert error < 0.03, float(error)  # bfloat16 keeps ~3 significant digits
+
+
+def test_batched_requests_equal_each_alone(pair):
+    _, model = pair
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(VOCAB, (n,), generator=g).tolist() for n in (3, 17, 9, 30)]
+    batched = model.generate(prompts, max_new_tokens=12, stop_token_ids=[])
+    for prompt, got in zip(prompts, batched):
+        alone = model.generate([prompt], max_new_tokens=12, stop_token_ids=[])[0]
+        assert got.tokens == alone.tokens
+
+
+def test_cartridge_equals_its_text_in_context(pair):
+    _, model = pair
+    doc = torch.randint(VOCAB, (12,), generator=torch.Generator().manual_seed(2))
+    prefix = model.core.prefix_from_tokens(doc.cuda())
+    prompt = [5, 6, 7, 8]
+    with_cartridge = model.generate([prompt], prefixes=[prefix], max_new_tokens=10, stop_token_ids=[], logprobs=1)[0]
+    in_context = model.generate([doc.tolist() + prompt], max_new_tokens=10, stop_token_ids=[], logprobs=1)[0]
+    a = torch.tensor([lp.logprob for lp in with_cartridge.logprobs])
+    b = torch.tensor([lp.logprob for lp in in_context.logprobs])
+    assert with_cartridge.tokens[:3] == in_context.tokens[:3]
+    assert torch.allclose(a[:3], b[:3], atol=0.1)
+
+
+def test_logprobs_close_to_a_full_forward(pair):
+    _, model = pair
+    prompt = [3, 1, 4, 1, 5, 9]
+    completion = model.generate([prompt], max_new_tokens=6, stop_token_ids=[], logprobs=3)[0]
+    full = torch.log_softmax(model.core.forward(torch.tensor([prompt + completion.tokens]))[0].float(), -1).cpu()
+    for i, lp in enumerate(completion.logprobs):
+        assert lp.logprob == pytest.approx(full[len(prompt) - 1 + i, lp.token].item(), abs=0.1)
