@@ -19,14 +19,19 @@ def pair(request):
     return hf, model
 
 
-def test_forward_close_to_transformers(pair):
+def test_forward_as_close_to_float32_as_transformers_in_bfloat16(pair):
+    """bfloat16 keeps ~3 significant digits: the reference for our error against float32 is
+    transformers' own error when it runs in bfloat16 on the same GPU."""
     hf, model = pair
     tokens = torch.randint(VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        theirs = hf(tokens).logits
+        exact = hf(tokens).logits
+        theirs = hf.to("cuda", torch.bfloat16)(tokens.cuda()).logits.float().cpu()
+        hf.to("cpu", torch.float32)
     ours = model.core.forward(tokens).float().cpu()
-    error = (ours - theirs).abs().max() / theirs.abs().max()
-    assert error < 0.03, float(error)  # bfloat16 keeps ~3 significant digits
+    scale = exact.abs().max()
+    our_error, their_error = (ours - exact).abs().max() / scale, (theirs - exact).abs().max() / scale
+    assert our_error < 0.05 and our_error <= 2 * their_error + 0.005, (float(our_error), float(their_error))
 
 
 def test_batched_requests_equal_each_alone(pair):

@@ -324,7 +324,8 @@ at::Tensor LlamaModel::forward_packed(const PackedBatch& batch, KVPool& pool) co
   TORCH_CHECK(static_cast<int64_t>(positions.size()) == N, "forward_packed: tokens hold ", N,
               " entries, the sequences ", positions.size());
 
-  const auto layout = ops::packed_layout(batch, device_);
+  // CPU float32 has a kernel that reads each sequence's KV in place; elsewhere it is gathered.
+  const auto layout = ops::packed_layout(batch, device_, !(device_.is_cpu() && dtype_ == at::kFloat));
   auto pos = at::tensor(positions, at::kLong).view({1, N}).to(device_);
   auto [cos, sin] = ops::rope_cos_sin(inv_freq_, pos, dtype_);  // [1, 1, N, D]
   auto slot_index = at::tensor(slots, at::kLong).to(device_);

@@ -34,7 +34,8 @@ PartialAttention softmax_parts(const at::Tensor& scores, const std::vector<at::T
   at::Tensor o;
   int64_t offset = 0;
   for (size_t i = 0; i < value_parts.size(); ++i) {
-    auto part = at::matmul(e.narrow(-1, offset, lengths[i]), value_parts[i]);  // [Hkv, R, D]
+    const auto& v = value_parts[i];  // read in its own dtype: a bfloat16 cartridge is never converted
+    auto part = at::matmul(e.narrow(-1, offset, lengths[i]).to(v.scalar_type()), v).to(at::kFloat);  // [Hkv, R, D]
     o = o.defined() ? o + part : part;
     offset += lengths[i];
   }
@@ -56,10 +57,10 @@ at::Tensor heads_first(const at::Tensor& t, int64_t kv_heads) {
 PartialAttention prefill_part(const at::Tensor& q_seq, const at::Tensor& keys, const at::Tensor& values,
                               const PackedSequence& s) {
   const int64_t n = q_seq.size(0), kv = keys.size(1), groups = q_seq.size(1) / kv, total = s.past + n;
-  auto k = keys.narrow(0, s.kv_offset, total).transpose(0, 1).to(at::kFloat);    // [Hkv, T, D]
-  auto v = values.narrow(0, s.kv_offset, total).transpose(0, 1).to(at::kFloat);  // [Hkv, T, D]
-  auto qg = heads_first(q_seq, kv);                                              // [Hkv, n*G, D]
-  auto scores = at::matmul(qg, k.transpose(-1, -2)).view({kv, n, groups, total});
+  auto k = keys.narrow(0, s.kv_offset, total).transpose(0, 1);    // [Hkv, T, D]
+  auto v = values.narrow(0, s.kv_offset, total).transpose(0, 1);  // [Hkv, T, D]
+  auto qg = heads_first(q_seq, kv).to(k.scalar_type());            // [Hkv, n*G, D]
+  auto scores = at::matmul(qg, k.transpose(-1, -2)).to(at::kFloat).view({kv, n, groups, total});
   auto rows = at::arange(n, at::TensorOptions().dtype(at::kLong).device(q_seq.device())).view({n, 1});
   auto cols = at::arange(total, at::TensorOptions().dtype(at::kLong).device(q_seq.device())).view({1, total});
   auto hidden = (cols > rows + s.past).view({1, n, 1, total});
@@ -71,29 +72,17 @@ PartialAttention prefill_part(const at::Tensor& q_seq, const at::Tensor& keys, c
 
 // Own-KV attention of one-token sequences on any device: their ranges gathered, padded.
 PartialAttention decode_part_gathered(const at::Tensor& q_rows, const at::Tensor& keys, const at::Tensor& values,
-                                      const std::vector<int64_t>& offsets, const std::vector<int64_t>& lengths) {
+                                      const PackedLayout& layout) {
   const int64_t rows = q_rows.size(0), kv = keys.size(1), groups = q_rows.size(1) / kv;
-  const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
-  auto slot = at::empty({rows, longest}, at::kLong);
-  auto valid = at::empty({rows, longest}, at::kBool);
-  auto sp = slot.accessor<int64_t, 2>();
-  auto vp = valid.accessor<bool, 2>();
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t t = 0; t < longest; ++t) {
-      sp[r][t] = offsets[r] + std::min(t, lengths[r] - 1);
-      vp[r][t] = t < lengths[r];
-    }
-  }
-  const auto device = q_rows.device();
-  auto flat = slot.flatten().to(device);
-  auto k = keys.index_select(0, flat).view({rows, longest, kv, -1}).permute({0, 2, 3, 1}).to(at::kFloat);  // [R,Hkv,D,L]
-  auto v = values.index_select(0, flat).view({rows, longest, kv, -1}).transpose(1, 2).to(at::kFloat);     // [R,Hkv,L,D]
-  auto q = q_rows.view({rows, kv, groups, -1});
-  auto scores = at::matmul(q, k);  // [R, Hkv, G, L]
-  scores = scores.masked_fill(valid.to(device).logical_not().view({rows, 1, 1, longest}), kNegInf);
+  const int64_t longest = layout.decode_valid.size(1);
+  auto k = keys.index_select(0, layout.decode_slots).view({rows, longest, kv, -1}).permute({0, 2, 3, 1});  // [R,Hkv,D,L]
+  auto v = values.index_select(0, layout.decode_slots).view({rows, longest, kv, -1}).transpose(1, 2);     // [R,Hkv,L,D]
+  auto q = q_rows.view({rows, kv, groups, -1}).to(keys.scalar_type());
+  auto scores = at::matmul(q, k).to(at::kFloat);  // [R, Hkv, G, L]
+  scores = scores.masked_fill(layout.decode_valid.logical_not().view({rows, 1, 1, longest}), kNegInf);
   auto m = std::get<0>(scores.max(-1));
   auto e = at::exp(scores - m.unsqueeze(-1));
-  auto o = at::matmul(e, v);  // [R, Hkv, G, D]
+  auto o = at::matmul(e.to(v.scalar_type()), v).to(at::kFloat);  // [R, Hkv, G, D]
   return {o.reshape({rows, kv * groups, -1}), m.reshape({rows, kv * groups}), e.sum(-1).reshape({rows, kv * groups})};
 }
 
@@ -139,11 +128,30 @@ bool has_avx2() {
 
 void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                           const std::vector<int64_t>& tokens, const std::vector<int64_t>& offsets,
-                          const std::vector<int64_t>& lengths, PartialAttention& out) {
+                          const std::vector<int64_t>& lengths, const std::vector<const PrefixList*>& prefixes,
+                          int64_t layer, PartialAttention& out) {
   TORCH_INTERNAL_ASSERT(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous());
   TORCH_INTERNAL_ASSERT(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat);
   const int64_t heads = q.size(1), dim = q.size(2), kv = keys.size(1), groups = heads / kv;
-  const int64_t work = static_cast<int64_t>(tokens.size()) * kv;
+  const int64_t rows = static_cast<int64_t>(tokens.size());
+  // A run of keys (and values) of one KV head: `length` vectors of `dim` floats, `stride` apart.
+  struct Segment {
+    const float *k, *v;
+    int64_t stride, length;
+  };
+  // Prefix tensors [H_kv, P, D] as float32 with contiguous rows (a slice of a prefix is fine).
+  std::vector<std::vector<std::pair<at::Tensor, at::Tensor>>> prefix_kv(rows);
+  for (int64_t i = 0; i < rows; ++i) {
+    if (prefixes[i] == nullptr) continue;
+    for (const auto& p : *prefixes[i]) {
+      auto k = p->keys[layer], v = p->values[layer];
+      TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+                  "a cartridge must be float32 for a float32 model on CPU");
+      if (k.stride(2) != 1 || k.stride(1) != dim) k = k.contiguous();
+      if (v.stride(2) != 1 || v.stride(1) != dim) v = v.contiguous();
+      prefix_kv[i].emplace_back(k, v);
+    }
+  }
   const float* qp = q.data_ptr<float>();
   const float* kp = keys.data_ptr<float>();
   const float* vp = values.data_ptr<float>();
@@ -152,32 +160,45 @@ void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at:
   float* lp = out.l.data_ptr<float>();
   const auto dot = has_avx2() ? dot_avx2 : dot_scalar;
   const auto axpy = has_avx2() ? axpy_avx2 : axpy_scalar;
-  // One (token, kv head) pair per work item: its keys and values are read once for the
+  // One (row, kv head) pair per work item: its keys and values are read once for the
   // `groups` query heads that share them.
-  at::parallel_for(0, work, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows * kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<Segment> segments;
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t i = w / kv, h = w % kv, token = tokens[i], len = lengths[i];
-      const float* k0 = kp + (offsets[i] * kv + h) * dim;
-      const float* v0 = vp + (offsets[i] * kv + h) * dim;
-      scores.resize(static_cast<size_t>(groups * len));
+      const int64_t i = w / kv, h = w % kv, token = tokens[i];
+      segments.clear();
+      int64_t total = 0;
+      for (const auto& [k, v] : prefix_kv[i]) {
+        segments.push_back({k.data_ptr<float>() + h * k.stride(0), v.data_ptr<float>() + h * v.stride(0), dim,
+                            k.size(1)});
+        total += k.size(1);
+      }
+      segments.push_back({kp + (offsets[i] * kv + h) * dim, vp + (offsets[i] * kv + h) * dim, kv * dim, lengths[i]});
+      total += lengths[i];
+      scores.resize(static_cast<size_t>(total));
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t head = h * groups + g;
         const float* qh = qp + (token * heads + head) * dim;
-        float* s = scores.data() + g * len;
         float m = kNegInf;
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = dot(qh, k0 + t * kv * dim, dim);
-          m = std::max(m, s[t]);
+        int64_t t = 0;
+        for (const auto& seg : segments) {
+          for (int64_t j = 0; j < seg.length; ++j, ++t) {
+            scores[t] = dot(qh, seg.k + j * seg.stride, dim);
+            m = std::max(m, scores[t]);
+          }
         }
         float l = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - m);
-          l += s[t];
+        for (t = 0; t < total; ++t) {
+          scores[t] = std::exp(scores[t] - m);
+          l += scores[t];
         }
         float* o = op + (token * heads + head) * dim;
         std::fill(o, o + dim, 0.f);
-        for (int64_t t = 0; t < len; ++t) axpy(s[t], v0 + t * kv * dim, o, dim);
+        t = 0;
+        for (const auto& seg : segments) {
+          for (int64_t j = 0; j < seg.length; ++j, ++t) axpy(scores[t], seg.v + j * seg.stride, o, dim);
+        }
         mp[token * heads + head] = m;
         lp[token * heads + head] = l;
       }
@@ -185,7 +206,7 @@ void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at:
   });
 }
 
-PackedLayout packed_layout(const PackedBatch& batch, at::Device device) {
+PackedLayout packed_layout(const PackedBatch& batch, at::Device device, bool gathered) {
   PackedLayout layout;
   std::map<std::vector<const KVPrefix*>, size_t> group_of;
   std::vector<std::vector<int64_t>> group_token_lists;
@@ -194,11 +215,8 @@ PackedLayout packed_layout(const PackedBatch& batch, at::Device device) {
   for (size_t i = 0; i < batch.sequences.size(); ++i) {
     const auto& s = batch.sequences[i];
     layout.token_start.push_back(start);
-    if (s.num_new == 1) {
-      decode_tokens.push_back(start);
-      layout.decode_sequences.push_back(static_cast<int64_t>(i));
-    }
-    if (!s.prefixes.empty()) {
+    if (s.num_new == 1) layout.decode_sequences.push_back(static_cast<int64_t>(i));
+    if (!s.prefixes.empty() && (gathered || s.num_new > 1)) {
       std::vector<const KVPrefix*> key;
       for (const auto& p : s.prefixes) key.push_back(p.get());
       auto [it, added] = group_of.emplace(key, layout.groups.size());
@@ -211,8 +229,40 @@ PackedLayout packed_layout(const PackedBatch& batch, at::Device device) {
     }
     start += s.num_new;
   }
+  if (!gathered) {  // rows of one prefix list side by side, for the kernel's cache reuse
+    std::stable_sort(layout.decode_sequences.begin(), layout.decode_sequences.end(), [&](int64_t a, int64_t b) {
+      const auto &pa = batch.sequences[a].prefixes, &pb = batch.sequences[b].prefixes;
+      return std::lexicographical_compare(pa.begin(), pa.end(), pb.begin(), pb.end(),
+                                          [](const PrefixPtr& x, const PrefixPtr& y) { return x.get() < y.get(); });
+    });
+  }
+  for (auto i : layout.decode_sequences) {
+    const auto& s = batch.sequences[i];
+    decode_tokens.push_back(layout.token_start[i]);
+    layout.decode_offsets.push_back(s.kv_offset);
+    layout.decode_lengths.push_back(s.past + 1);
+    layout.decode_prefixes.push_back(s.prefixes.empty() ? nullptr : &s.prefixes);
+  }
   for (const auto& list : group_token_lists) layout.group_tokens.push_back(at::tensor(list, at::kLong).to(device));
   layout.decode_tokens = at::tensor(decode_tokens, at::kLong).to(device);
+  layout.decode_token_list = std::move(decode_tokens);
+  if (gathered && !layout.decode_lengths.empty()) {
+    const int64_t rows = static_cast<int64_t>(layout.decode_lengths.size());
+    const int64_t longest = *std::max_element(layout.decode_lengths.begin(), layout.decode_lengths.end());
+    auto slots = at::empty({rows, longest}, at::kLong);
+    auto valid = at::empty({rows, longest}, at::kBool);
+    auto sp = slots.accessor<int64_t, 2>();
+    auto vp = valid.accessor<bool, 2>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t len = layout.decode_lengths[r];
+      for (int64_t t = 0; t < longest; ++t) {
+        sp[r][t] = layout.decode_offsets[r] + std::min(t, len - 1);
+        vp[r][t] = t < len;
+      }
+    }
+    layout.decode_slots = slots.flatten().to(device);
+    layout.decode_valid = valid.to(device);
+  }
   return layout;
 }
 
@@ -227,18 +277,12 @@ at::Tensor packed_attention(const at::Tensor& q_in, const at::Tensor& keys, cons
 
   // Own keys, one-token sequences together.
   if (!layout.decode_sequences.empty()) {
-    std::vector<int64_t> tok, off, len;
-    for (auto i : layout.decode_sequences) {
-      const auto& s = batch.sequences[i];
-      tok.push_back(layout.token_start[i]);
-      off.push_back(s.kv_offset);
-      len.push_back(s.past + 1);
-    }
-    if (q.device().is_cpu() && keys.scalar_type() == at::kFloat) {
-      decode_attention_cpu(q, keys, values, tok, off, len, acc);
+    if (!layout.decode_slots.defined()) {
+      decode_attention_cpu(q, keys, values, layout.decode_token_list, layout.decode_offsets, layout.decode_lengths,
+                           layout.decode_prefixes, layer, acc);
     } else {
       auto rows = layout.decode_tokens;
-      auto part = decode_part_gathered(q.index_select(0, rows), keys, values, off, len);
+      auto part = decode_part_gathered(q.index_select(0, rows), keys, values, layout);
       acc.o.index_copy_(0, rows, part.o);
       acc.m.index_copy_(0, rows, part.m);
       acc.l.index_copy_(0, rows, part.l);
@@ -263,8 +307,9 @@ at::Tensor packed_attention(const at::Tensor& q_in, const at::Tensor& keys, cons
     std::vector<at::Tensor> scores, vals;
     std::vector<int64_t> lens;
     for (const auto& prefix : prefixes) {
-      scores.push_back(at::matmul(qg, prefix->keys[layer].to(at::kFloat).transpose(-1, -2)));
-      vals.push_back(prefix->values[layer].to(at::kFloat));
+      const auto& k = prefix->keys[layer];
+      scores.push_back(at::matmul(qg.to(k.scalar_type()), k.transpose(-1, -2)).to(at::kFloat));
+      vals.push_back(prefix->values[layer]);
       lens.push_back(prefix->num_tokens());
     }
     auto part = softmax_parts(scores.size() == 1 ? scores[0] : at::cat(scores, -1), vals, lens);

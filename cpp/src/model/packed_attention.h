@@ -30,9 +30,17 @@ struct PackedLayout {
   std::vector<at::Tensor> group_tokens;      // [n_g] int64 on the model's device
   at::Tensor decode_tokens;                  // packed indices of one-token sequences, int64
   std::vector<int64_t> decode_sequences;     // their sequence indices
+  std::vector<int64_t> decode_token_list, decode_offsets, decode_lengths;  // per one-token sequence
+  std::vector<const PrefixList*> decode_prefixes;
+  // For the gathered path (not CPU float32): pool slots [R * longest] and validity [R, longest].
+  at::Tensor decode_slots, decode_valid;
 };
 
-PackedLayout packed_layout(const PackedBatch& batch, at::Device device);
+// `gathered`: the one-token sequences take the gathered path (slot index built here) and
+// join their prefix groups; otherwise (the CPU kernel) they attend to their prefixes in the
+// kernel, ordered so that rows sharing a prefix list are adjacent, and the groups hold only
+// multi-token sequences.
+PackedLayout packed_layout(const PackedBatch& batch, at::Device device, bool gathered);
 
 // q: [N, H, D] already rotated; keys/values: the layer's pool slabs [capacity, H_kv, D]
 // holding this step's new tokens; `layer` selects the prefixes' tensors. Returns [N, H, D]
@@ -40,10 +48,13 @@ PackedLayout packed_layout(const PackedBatch& batch, at::Device device);
 at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                             const PackedBatch& batch, const PackedLayout& layout, int64_t layer);
 
-// The CPU float32 kernel for one-token sequences (exposed for its test): for packed tokens
-// `tokens` with own ranges [offset, offset + length) of the pool, fills rows of `out`.
+// The CPU float32 kernel for one-token sequences: packed token `tokens[i]` attends to its
+// prefixes `prefixes[i]` (layer `layer`) and to its own pool slots [offsets[i], + lengths[i]);
+// fills its rows of `out`. Rows are taken in the given order, so rows that share a cartridge
+// should be adjacent: its KV is then read from memory once and from cache for the others.
 void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                           const std::vector<int64_t>& tokens, const std::vector<int64_t>& offsets,
-                          const std::vector<int64_t>& lengths, PartialAttention& out);
+                          const std::vector<int64_t>& lengths, const std::vector<const PrefixList*>& prefixes,
+                          int64_t layer, PartialAttention& out);
 
 }  // namespace cartridges::ops
