@@ -2,6 +2,7 @@
 // packed forward (a decode token for every running request plus prompt chunks), samples and
 // hands the events to whoever polls.
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -222,6 +223,7 @@ class EngineImpl {
       failure = e.what();
     }
 
+    RECORD_FUNCTION("cartridges::sample", std::vector<c10::IValue>());
     std::lock_guard<std::mutex> lock(mutex_);
     ++counters_.steps;
     int64_t row = 0;

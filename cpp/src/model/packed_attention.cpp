@@ -1,6 +1,7 @@
 #include "model/packed_attention.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <immintrin.h>
 
 #include <cmath>
@@ -130,6 +131,7 @@ void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at:
                           const std::vector<int64_t>& tokens, const std::vector<int64_t>& offsets,
                           const std::vector<int64_t>& lengths, const std::vector<const PrefixList*>& prefixes,
                           int64_t layer, PartialAttention& out) {
+  RECORD_FUNCTION("cartridges::decode_attention_cpu", std::vector<c10::IValue>());
   TORCH_INTERNAL_ASSERT(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous());
   TORCH_INTERNAL_ASSERT(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat);
   const int64_t heads = q.size(1), dim = q.size(2), kv = keys.size(1), groups = heads / kv;
@@ -268,6 +270,7 @@ PackedLayout packed_layout(const PackedBatch& batch, at::Device device, bool gat
 
 at::Tensor packed_attention(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values,
                             const PackedBatch& batch, const PackedLayout& layout, int64_t layer) {
+  RECORD_FUNCTION("cartridges::packed_attention", std::vector<c10::IValue>());
   const int64_t tokens = q_in.size(0), heads = q_in.size(1), dim = q_in.size(2), kv = keys.size(1);
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
   auto q = (q_in.to(at::kFloat) * scale).contiguous();  // [N, H, D]

@@ -1,6 +1,7 @@
 #include "model/quantized.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -170,6 +171,7 @@ bool has_avx2() {
 }  // namespace
 
 at::Tensor quantized_linear(const at::Tensor& x, const QuantizedMatrix& w) {
+  RECORD_FUNCTION("cartridges::quantized_linear", std::vector<c10::IValue>());  // named in profiles
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "quantized_linear: x must be float32 on CPU");
   TORCH_CHECK(x.size(-1) == w.in_features, "quantized_linear: x has ", x.size(-1), " features, weight takes ",
               w.in_features);
