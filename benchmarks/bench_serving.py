@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import platform
 import random
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -31,16 +30,7 @@ import cartridges
 from cartridges import Model
 from cartridges.models import ModelConfig
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Explain in a few sentences how a refrigerator keeps food cold.",
-    "Write a short poem about autumn leaves falling in a quiet park.",
-    "List three tips for staying focused while studying.",
-    "Why is the sky blue? Answer for a ten-year-old.",
-    "Describe the water cycle, step by step, and why it matters for farming and cities.",
-    "Give me a recipe idea for dinner with rice and vegetables.",
-    "What are the main differences between a cat and a dog as pets?",
-]
+from bench_decode import QUESTIONS  # the same chat prompts as the decode benchmark
 
 
 def random_smollm2(device: str) -> Model:
