@@ -186,6 +186,23 @@ TEST_F(EngineTest, TypedErrors) {
   EXPECT_THROW(engine.submit(greedy(random_tokens(10), 60)), ContextLengthError);   // > the whole pool
   EXPECT_THROW(engine.submit(greedy({}, 5)), c10::Error);
   EXPECT_THROW(engine.submit(greedy({config.vocab_size}, 5)), c10::Error);
+  auto negative = greedy(random_tokens(2), 5);
+  negative.params.logprobs = -1;
+  EXPECT_THROW(engine.submit(negative), c10::Error);
+  // Cartridges that do not fit the model are refused at submit, not inside a step.
+  auto good = prefix(random_tokens(4));
+  auto as_double = std::make_shared<KVPrefix>(*good);
+  for (auto& t : as_double->keys) t = t.to(at::kDouble);
+  for (auto& t : as_double->values) t = t.to(at::kDouble);
+  auto empty = std::make_shared<KVPrefix>(*good);
+  for (auto& t : empty->keys) t = t.narrow(1, 0, 0);
+  for (auto& t : empty->values) t = t.narrow(1, 0, 0);
+  auto short_one = std::make_shared<KVPrefix>(*good);
+  short_one->values.pop_back();
+  for (const PrefixPtr& bad : {PrefixPtr(as_double), PrefixPtr(empty), PrefixPtr(short_one)}) {
+    EXPECT_THROW(engine.submit(greedy(random_tokens(2), 5, {bad})), c10::Error);
+  }
+  EXPECT_EQ(engine.stats().waiting + engine.stats().running, 0);
   engine.submit(greedy(random_tokens(2), 40));
   // One runs (or waits), one more may wait; then the queue is full.
   bool busy = false;

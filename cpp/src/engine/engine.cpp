@@ -35,7 +35,6 @@ struct Live {
   Request request;
   Sampler sampler;
   std::vector<int64_t> generated;
-  int64_t in_pool = 0;  // own tokens whose K/V are in the pool
 };
 
 class EngineImpl {
@@ -67,7 +66,7 @@ class EngineImpl {
         scheduler_.enqueue(id, requests[i].priority, prompt, prompt + requests[i].params.max_new_tokens);
         ++next_id_;
         ids.push_back(id);
-        lives_.emplace(id, std::make_unique<Live>(Live{id, std::move(requests[i]), std::move(samplers[i]), {}, 0}));
+        lives_.emplace(id, std::make_unique<Live>(Live{id, std::move(requests[i]), std::move(samplers[i]), {}}));
       }
     } catch (...) {
       for (auto id : ids) end_quietly(id);  // all or none
@@ -88,11 +87,24 @@ class EngineImpl {
     TORCH_CHECK(!request.prompt.empty(), "a request needs a non-empty prompt");
     const auto& c = model_->config();
     for (auto t : request.prompt) TORCH_CHECK(t >= 0 && t < c.vocab_size, "token id ", t, " is outside the vocabulary");
+    // A cartridge that does not fit the model must be refused here: inside a step it would
+    // fail every request computed with it.
     for (const auto& p : request.prefixes) {
-      TORCH_CHECK(p && static_cast<int64_t>(p->keys.size()) == c.num_layers, "a cartridge must hold keys and values "
-                  "for each of the model's ", c.num_layers, " layers");
-      TORCH_CHECK(p->keys[0].size(0) == c.num_kv_heads && p->keys[0].size(2) == c.head_dim,
-                  "a cartridge's KV shape does not match the model");
+      TORCH_CHECK(p && static_cast<int64_t>(p->keys.size()) == c.num_layers &&
+                      static_cast<int64_t>(p->values.size()) == c.num_layers,
+                  "a cartridge must hold keys and values for each of the model's ", c.num_layers, " layers");
+      TORCH_CHECK(p->num_tokens() > 0, "a cartridge must hold at least one token");
+      for (int64_t l = 0; l < c.num_layers; ++l) {
+        const auto &k = p->keys[l], &v = p->values[l];
+        TORCH_CHECK(k.dim() == 3 && k.size(0) == c.num_kv_heads && k.size(1) == p->num_tokens() &&
+                        k.size(2) == c.head_dim && v.sizes() == k.sizes(),
+                    "a cartridge's KV shape does not match the model (layer ", l, ")");
+        TORCH_CHECK(k.scalar_type() == model_->dtype() && v.scalar_type() == model_->dtype() &&
+                        k.device().type() == model_->device().type() &&
+                        v.device().type() == model_->device().type(),
+                    "a cartridge's KV must be ", c10::toString(model_->dtype()), " on ", model_->device().str(),
+                    " like the model");
+      }
     }
     const int64_t prompt = static_cast<int64_t>(request.prompt.size());
     const int64_t needed = prefix_tokens(request.prefixes) + prompt + request.params.max_new_tokens;
@@ -194,12 +206,14 @@ class EngineImpl {
         const Scheduled* s = scheduler_.find(id);
         PackedSequence seq;
         seq.kv_offset = s->kv_offset;
-        seq.past = live->in_pool;
         seq.prefixes = live->request.prefixes;
         if (chunk == 0) {
+          // The pool holds the prompt and every generated token but the last, which is the input.
+          seq.past = s->prompt_tokens + static_cast<int64_t>(live->generated.size()) - 1;
           seq.num_new = 1;
           tokens.push_back(live->generated.back());
         } else {
+          seq.past = s->prefilled;
           seq.num_new = chunk;
           const auto& prompt = live->request.prompt;
           tokens.insert(tokens.end(), prompt.begin() + s->prefilled, prompt.begin() + s->prefilled + chunk);
@@ -235,7 +249,6 @@ class EngineImpl {
         end_quietly(live->id);
         continue;
       }
-      live->in_pool += seq.num_new;
       if (chunk_sizes[i] > 0) {
         scheduler_.prefilled(live->id, chunk_sizes[i]);
         counters_.prompt_tokens += chunk_sizes[i];

@@ -40,6 +40,8 @@ Sampler::Sampler(const SamplingParams& params)
   TORCH_CHECK(params.temperature >= 0.0, "temperature must be >= 0");
   TORCH_CHECK(params.top_p > 0.0 && params.top_p <= 1.0, "top_p must be in (0, 1]");
   TORCH_CHECK(params.max_new_tokens >= 1, "max_new_tokens must be >= 1");
+  TORCH_CHECK(params.top_k >= 0, "top_k must be >= 0");
+  TORCH_CHECK(params.logprobs >= 0, "logprobs must be >= 0");
 }
 
 int64_t Sampler::sample(const at::Tensor& logits) {

@@ -28,9 +28,10 @@ void merge_rows(PartialAttention& into, const at::Tensor& rows, const PartialAtt
 // caller reshapes. scores: [Hkv, R, T] with -inf where masked.
 PartialAttention softmax_parts(const at::Tensor& scores, const std::vector<at::Tensor>& value_parts,
                                const std::vector<int64_t>& lengths) {
-  auto m = std::get<0>(scores.max(-1));        // [Hkv, R]
-  auto safe_m = at::where(at::isinf(m), at::zeros_like(m), m);  // rows that see nothing stay 0
-  auto e = at::exp(scores - safe_m.unsqueeze(-1));
+  // Every row sees at least one key (cartridges are never empty; a token sees itself), so the
+  // max is finite.
+  auto m = std::get<0>(scores.max(-1));  // [Hkv, R]
+  auto e = at::exp(scores - m.unsqueeze(-1));
   auto l = e.sum(-1);
   at::Tensor o;
   int64_t offset = 0;
@@ -40,7 +41,7 @@ PartialAttention softmax_parts(const at::Tensor& scores, const std::vector<at::T
     o = o.defined() ? o + part : part;
     offset += lengths[i];
   }
-  return {o, safe_m, l};
+  return {o, m, l};
 }
 
 // [Hkv, R*G, X] (rows ordered r-major within each kv head) -> [R, Hkv*G, X], and back.
@@ -246,9 +247,8 @@ PackedLayout packed_layout(const PackedBatch& batch, at::Device device, bool gat
     layout.decode_prefixes.push_back(s.prefixes.empty() ? nullptr : &s.prefixes);
   }
   for (const auto& list : group_token_lists) layout.group_tokens.push_back(at::tensor(list, at::kLong).to(device));
-  layout.decode_tokens = at::tensor(decode_tokens, at::kLong).to(device);
-  layout.decode_token_list = std::move(decode_tokens);
   if (gathered && !layout.decode_lengths.empty()) {
+    layout.decode_tokens = at::tensor(decode_tokens, at::kLong).to(device);
     const int64_t rows = static_cast<int64_t>(layout.decode_lengths.size());
     const int64_t longest = *std::max_element(layout.decode_lengths.begin(), layout.decode_lengths.end());
     auto slots = at::empty({rows, longest}, at::kLong);
@@ -265,6 +265,7 @@ PackedLayout packed_layout(const PackedBatch& batch, at::Device device, bool gat
     layout.decode_slots = slots.flatten().to(device);
     layout.decode_valid = valid.to(device);
   }
+  layout.decode_token_list = std::move(decode_tokens);
   return layout;
 }
 
@@ -275,8 +276,10 @@ at::Tensor packed_attention(const at::Tensor& q_in, const at::Tensor& keys, cons
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
   auto q = (q_in.to(at::kFloat) * scale).contiguous();  // [N, H, D]
   auto f32 = q.options();
-  PartialAttention acc{at::zeros({tokens, heads, dim}, f32), at::full({tokens, heads}, kNegInf, f32),
-                       at::zeros({tokens, heads}, f32)};
+  // Every token is a one-token sequence or part of a prompt chunk: both paths below fill
+  // every row, so the accumulators need no initial values.
+  PartialAttention acc{at::empty({tokens, heads, dim}, f32), at::empty({tokens, heads}, f32),
+                       at::empty({tokens, heads}, f32)};
 
   // Own keys, one-token sequences together.
   if (!layout.decode_sequences.empty()) {

@@ -28,7 +28,7 @@ struct PackedLayout {
   // Sequences grouped by identical (non-empty) prefix list; each group's packed token indices.
   std::vector<std::vector<int64_t>> groups;  // sequence indices per group
   std::vector<at::Tensor> group_tokens;      // [n_g] int64 on the model's device
-  at::Tensor decode_tokens;                  // packed indices of one-token sequences, int64
+  at::Tensor decode_tokens;                  // gathered path: packed indices of one-token sequences
   std::vector<int64_t> decode_sequences;     // their sequence indices
   std::vector<int64_t> decode_token_list, decode_offsets, decode_lengths;  // per one-token sequence
   std::vector<const PrefixList*> decode_prefixes;
