@@ -123,6 +123,8 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("cartridges", &Engine::cartridges, py::return_value_policy::reference_internal)
       .def_property_readonly("options", &Engine::options)
       .def_property_readonly("running", &Engine::running)
+      .def_property("num_threads", &Engine::num_threads, &Engine::set_num_threads,
+                    "Intra-op threads of the compute thread; a new value applies from the next step.")
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
 }
 

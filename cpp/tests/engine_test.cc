@@ -217,3 +217,18 @@ TEST_F(EngineTest, TypedErrors) {
   engine.shutdown();
   EXPECT_THROW(engine.submit(greedy(random_tokens(2), 4)), EngineStoppedError);
 }
+
+TEST_F(EngineTest, ThreadCountChangesBetweenStepsWithoutDisturbingRequests) {
+  EngineOptions options;
+  options.num_threads = 2;
+  Engine engine(model, options);
+  EXPECT_EQ(engine.num_threads(), 2);
+  auto r = greedy(random_tokens(6), 40);
+  auto id = engine.submit(r);
+  engine.set_num_threads(1);  // lands while the request runs
+  auto results = drain(engine, {id});
+  EXPECT_EQ(engine.num_threads(), 1);
+  EXPECT_EQ(results[id].tokens, alone(r).tokens);
+  engine.set_num_threads(0);
+  EXPECT_EQ(engine.num_threads(), 1);  // at least one
+}

@@ -180,6 +180,10 @@ class Engine {
   // shutdown once everything has been delivered.
   std::vector<Event> poll(std::chrono::milliseconds timeout);
   EngineStats stats() const;
+  // Intra-op threads of the compute thread from its next step on (at least 1): a server
+  // gives cores to training jobs while they run and takes them back after.
+  void set_num_threads(int threads);
+  int num_threads() const;
   CartridgeCache& cartridges();
   const EngineOptions& options() const;
   const LlamaModel& model() const;

@@ -5,6 +5,7 @@
 #include <ATen/record_function.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <set>
 #include <thread>
@@ -47,7 +48,7 @@ class EngineImpl {
         cartridges_(options.cartridge_cache_bytes),
         // OpenMP's thread count is per thread: a new thread would start from the process
         // default (every core), not from what the caller chose. Take the caller's when unset.
-        threads_(options.num_threads > 0 ? options.num_threads : at::get_num_threads()) {
+        requested_threads_(options.num_threads > 0 ? options.num_threads : at::get_num_threads()) {
     thread_ = std::thread([this] { run(); });
   }
 
@@ -161,11 +162,14 @@ class EngineImpl {
 
   const EngineOptions& options() const { return options_; }
   const LlamaModel& model() const { return *model_; }
+  void set_num_threads(int threads) { requested_threads_.store(std::max(1, threads)); }
+  int num_threads() const { return requested_threads_.load(); }
   CartridgeCache& cartridges() { return cartridges_; }
 
  private:
   void run() {
-    at::set_num_threads(threads_);
+    int threads = requested_threads_.load();
+    at::set_num_threads(threads);
     std::vector<Event> events;
     for (;;) {
       StepPlan plan;
@@ -187,6 +191,10 @@ class EngineImpl {
         }
         cancels_.clear();
         plan = scheduler_.plan();
+      }
+      if (const int wanted = requested_threads_.load(); wanted != threads) {
+        threads = wanted;  // OpenMP's count is per thread: only the compute thread can set its own
+        at::set_num_threads(threads);
       }
       if (!plan.empty()) step(plan, events);
       publish(events, /*last=*/false);
@@ -333,7 +341,7 @@ class EngineImpl {
   std::vector<Event> events_;
   bool drained_ = false;
 
-  int threads_;
+  std::atomic<int> requested_threads_;
   std::thread thread_;
 };
 
@@ -347,6 +355,8 @@ std::vector<int64_t> Engine::submit_all(std::vector<Request> requests) {
 bool Engine::cancel(int64_t id) { return impl_->cancel(id); }
 std::vector<Event> Engine::poll(std::chrono::milliseconds timeout) { return impl_->poll(timeout); }
 EngineStats Engine::stats() const { return impl_->stats(); }
+void Engine::set_num_threads(int threads) { impl_->set_num_threads(threads); }
+int Engine::num_threads() const { return impl_->num_threads(); }
 CartridgeCache& Engine::cartridges() { return impl_->cartridges(); }
 const EngineOptions& Engine::options() const { return impl_->options(); }
 const LlamaModel& Engine::model() const { return impl_->model(); }
