@@ -212,10 +212,18 @@ class Stream:
         return Completion(self.tokens, self.text, self.finish_reason or "cancelled", self.logprobs)
 
     def close(self) -> None:
-        """Cancels the request if it is still going; the tokens so far stay."""
+        """Cancels the request if it is still going; the tokens so far stay. A consumer
+        waiting on the stream (in any thread or task) wakes up and sees it finished."""
         if not self.finished:
             self._engine.core.cancel(self.id)
             self._end("cancelled", None)
+            with self._condition:
+                self._condition.notify_all()
+            if self._loop is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self._wake)
+                except RuntimeError:
+                    pass  # its loop is closed
 
     def __enter__(self) -> Stream:
         return self

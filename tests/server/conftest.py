@@ -66,18 +66,19 @@ class LiveServer:
         cmd += ["--data-dir", str(self.data_dir), "--log-level", "warning"]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/openapi.json", timeout=1).status_code == 200:
+                # healthy: the model is loaded (it loads in the background after the port opens)
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"server did not start:\n{self.log()}")
+        raise RuntimeError(f"server did not become healthy:\n{self.log()}")
 
     def stop(self, kill: bool = False) -> None:
         if self.proc is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,6 +18,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, help="port to listen on (CARTRIDGES_PORT; default 8000)")
     p.add_argument("--data-dir", help="store directory (CARTRIDGES_DATA_DIR; default ./cartridges-data)")
     p.add_argument("--model", help="base model: HF directory or GGUF file (CARTRIDGES_MODEL; default: embedded)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                   help="where the model runs (CARTRIDGES_DEVICE; default auto: cuda when available)")
+    p.add_argument("--kv-tokens", type=int, metavar="N",
+                   help="KV pool of the engine in tokens, shared by all running requests; a request holds "
+                   "its prompt plus max_tokens (CARTRIDGES_KV_TOKENS; default 32768)")
+    p.add_argument("--cartridge-memory", type=int, metavar="MIB", dest="cartridge_memory_mib",
+                   help="memory for loaded cartridges in MiB; past it the least recently used idle one is "
+                   "evicted (CARTRIDGES_CARTRIDGE_MEMORY_MIB; default 1024)")
+    p.add_argument("--serve-threads", type=int, metavar="N",
+                   help="threads of the serving engine (CARTRIDGES_SERVE_THREADS; default 0: every core, "
+                   "minus the training workers' while jobs run)")
+    p.add_argument("--worker-threads", type=int, metavar="N",
+                   help="threads of each training job's worker (CARTRIDGES_WORKER_THREADS; default 0: half the cores)")
+    p.add_argument("--max-jobs", type=int, metavar="N",
+                   help="training jobs run at once (CARTRIDGES_MAX_JOBS; default 1)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=run)
 
@@ -26,6 +42,13 @@ def run(args: argparse.Namespace) -> int:
 
     from cartridges.server import Settings, create_app
 
-    settings = Settings.from_env(host=args.host, port=args.port, data_dir=args.data_dir, model=args.model)
+    try:
+        settings = Settings.from_env(
+            host=args.host, port=args.port, data_dir=args.data_dir, model=args.model, device=args.device,
+            kv_tokens=args.kv_tokens, cartridge_memory_mib=args.cartridge_memory_mib,
+            serve_threads=args.serve_threads, worker_threads=args.worker_threads, max_jobs=args.max_jobs)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level)
     return 0

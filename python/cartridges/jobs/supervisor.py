@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,10 @@ def default_worker_threads() -> int:
 
 class Supervisor:
     def __init__(self, store: Any, data_dir: str | os.PathLike[str], *, max_jobs: int = 1,
-                 worker_threads: int = 0, poll_s: float = POLL_S) -> None:
+                 worker_threads: int = 0, poll_s: float = POLL_S,
+                 on_workers_changed: Callable[[int], None] | None = None) -> None:
+        """`on_workers_changed(n)` is called from the supervisor thread whenever the number of
+        running workers changes (the server gives the engine's cores back and forth with it)."""
         from ..server.storage import core
 
         self._core = core()
@@ -57,6 +61,7 @@ class Supervisor:
         self.max_jobs = max(1, max_jobs)
         self.worker_threads = worker_threads or default_worker_threads()
         self._poll_s = poll_s
+        self.on_workers_changed = on_workers_changed
         self._workers: dict[str, _Worker] = {}
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -84,12 +89,20 @@ class Supervisor:
     def worker_pids(self) -> dict[str, int]:
         return {run_id: w.proc.pid for run_id, w in list(self._workers.items())}
 
+    @property
+    def running_jobs(self) -> int:
+        return len(self._workers)
+
     def _loop(self) -> None:
+        reported = 0
         while not self._stopping.is_set():
             try:
                 self._reap()
                 self._stop_abandoned()
                 self._launch()
+                if self.on_workers_changed is not None and len(self._workers) != reported:
+                    reported = len(self._workers)
+                    self.on_workers_changed(reported)
             except Exception:  # the supervisor must outlive any one bad row or transient error
                 log.exception("job supervisor")
             self._wake.wait(self._poll_s)

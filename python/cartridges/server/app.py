@@ -14,7 +14,9 @@ from cartridges.jobs import Supervisor
 from cartridges.server import keys
 from cartridges.server.errors import install_error_handlers, strip_default_422
 from cartridges.server.extraction import Extractor
-from cartridges.server.routers import datablocks, files
+from cartridges.server.metrics import Metrics, RequestCounter
+from cartridges.server.routers import chat, datablocks, files, serving
+from cartridges.server.serving import Serving
 from cartridges.server.settings import Settings
 from cartridges.server.storage import core, open_store
 
@@ -22,7 +24,10 @@ API_PREFIXES = ("/api/v1", "/v1")
 
 DESCRIPTION = """Train and serve cartridges: compact trained KV-cache prefixes that stand in for documents.
 
-Every endpoint needs `Authorization: Bearer <API key>`. Errors are OpenAI-shaped:
+Upload files, train a datablock (a cartridge) from them, then chat with it through the
+OpenAI-compatible `/v1/chat/completions`: `model` is the cartridge's id (or the base model's).
+
+Every endpoint but `/health`, `/v1/status` and `/metrics` needs `Authorization: Bearer <API key>`. Errors are OpenAI-shaped:
 `{"error": {"message", "type", "param", "code"}}`; act on `code`.
 Every resource answers under both `/api/v1` and `/v1`."""
 
@@ -42,23 +47,35 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.admin_user_id = admin.id if admin else 0
             app.state.extractor = Extractor(store, core().Owner(0, True))
             await app.state.extractor.start()
-            app.state.supervisor = Supervisor(store, settings.data_dir, max_jobs=settings.max_jobs,
-                                              worker_threads=settings.worker_threads)
-            app.state.supervisor.start()
+            supervisor = Supervisor(store, settings.data_dir, max_jobs=settings.max_jobs,
+                                    worker_threads=settings.worker_threads)
+            app.state.serving = Serving(settings, store, worker_threads=supervisor.worker_threads,
+                                        max_jobs=supervisor.max_jobs)
+            supervisor.on_workers_changed = app.state.serving.training_jobs_changed
+            app.state.supervisor = supervisor
+            app.state.serving.start()  # the model loads in the background; /health says when
+            supervisor.start()
             try:
                 yield
             finally:
-                app.state.supervisor.stop()
+                supervisor.stop()
+                app.state.serving.close()
                 await app.state.extractor.stop()
         finally:
             store.close()
 
     app = FastAPI(title="cartridges", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
+    app.state.metrics = Metrics()
+    app.state.metrics.attach(app)
+    app.add_middleware(RequestCounter, metrics=app.state.metrics)
     install_error_handlers(app)
     for prefix in API_PREFIXES:
+        app.include_router(chat.router, prefix=prefix)
+        app.include_router(serving.router, prefix=prefix)
         app.include_router(files.router, prefix=prefix)
         app.include_router(datablocks.router, prefix=prefix)
+    app.include_router(serving.root)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -89,11 +89,13 @@ def error_response(
 _DESCRIPTIONS = {
     400: "The request is invalid (`code` says how: e.g. `invalid_purpose`, `unsupported_file_type`, `empty_file`).",
     401: "Missing, malformed or unknown API key (`invalid_api_key`).",
-    404: "No such object, or it belongs to someone else (`not_found`).",
-    409: "The object's state forbids the action (`conflict`).",
+    404: "No such object, or it belongs to someone else (`not_found`, `model_not_found`).",
+    409: "The object's state forbids the action (`conflict`, `cartridge_not_ready`).",
     413: "The upload is over the size limit (`file_too_large`).",
     416: "The requested byte range is outside the file.",
+    429: "Over a limit for now (`rate_limited`, `cartridge_memory_full`); retry after `Retry-After` seconds.",
     500: "A bug or damaged storage (`internal_error`); never a stack trace.",
+    503: "The model is still loading, or the engine is down (`unavailable`).",
 }
 
 
@@ -102,10 +104,19 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": _DESCRIPTIONS[s]} for s in statuses}
 
 
+_NOT_FIELDS = {"body", "query", "path", "header", "str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_field_name(part: object) -> bool:
+    """Parts of a validation error's location that name a parameter (not a list index, nor
+    the member of a union that was tried, like `str` or `list[str]`)."""
+    return isinstance(part, str) and part not in _NOT_FIELDS and part.isidentifier() and part.islower()
+
+
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path", "header")]
+    loc = [str(part) for part in first.get("loc", ()) if _is_field_name(part)]
     param = loc[-1] if loc else None
     if first.get("type") == "missing":
         code = "missing_required_parameter"
@@ -116,6 +127,9 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     elif first.get("type") == "extra_forbidden":
         code = "unknown_parameter"
         message = f"Unknown parameter: '{param}'."
+    elif param is None:
+        code = "invalid_value"
+        message = f"Invalid body: {first.get('msg', 'invalid')}."
     else:
         code = "invalid_purpose" if param == "purpose" else "invalid_value"
         message = f"Invalid value for '{param}': {first.get('msg', 'invalid')}."

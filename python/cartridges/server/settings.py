@@ -22,7 +22,13 @@ ENV_VARS = {
     "admin_key": "CARTRIDGES_ADMIN_KEY",
     "max_jobs": "CARTRIDGES_MAX_JOBS",
     "worker_threads": "CARTRIDGES_WORKER_THREADS",
+    "device": "CARTRIDGES_DEVICE",
+    "kv_tokens": "CARTRIDGES_KV_TOKENS",
+    "cartridge_memory_mib": "CARTRIDGES_CARTRIDGE_MEMORY_MIB",
+    "serve_threads": "CARTRIDGES_SERVE_THREADS",
+    "default_max_tokens": "CARTRIDGES_DEFAULT_MAX_TOKENS",
 }
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,18 @@ class Settings:
     """Training jobs run at once, each in its own worker process."""
     worker_threads: int = 0
     """Intra-op threads of each training worker; 0: half the cores, the rest left to serving."""
+    device: str = "auto"
+    """Where the model runs: auto (cuda when available), cpu or cuda."""
+    kv_tokens: int = 32768
+    """KV pool of the serving engine in tokens, shared by every running request's own tokens
+    (prompt and reply; cartridges are apart). Allocated empty: untouched pages cost nothing."""
+    cartridge_memory_mib: int = 1024
+    """Memory budget of loaded cartridges; loading past it evicts the least recently used idle one."""
+    serve_threads: int = 0
+    """Intra-op threads of the serving engine; 0: every core while no training job runs, the
+    cores the workers do not take while they do."""
+    default_max_tokens: int = 1024
+    """Reply length when a chat request gives no max_tokens (cut to what the context leaves)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
@@ -64,8 +82,12 @@ class Settings:
         settings = replace(cls(), **values)
         if settings.max_upload_bytes < 1:
             raise ValueError("max_upload_bytes must be positive")
-        if settings.max_jobs < 1 or settings.worker_threads < 0:
-            raise ValueError("max_jobs must be positive and worker_threads not negative")
+        if settings.max_jobs < 1 or settings.worker_threads < 0 or settings.serve_threads < 0:
+            raise ValueError("max_jobs must be positive, worker_threads and serve_threads not negative")
+        if settings.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {settings.device!r}")
+        if settings.kv_tokens < 1 or settings.cartridge_memory_mib < 1 or settings.default_max_tokens < 1:
+            raise ValueError("kv_tokens, cartridge_memory_mib and default_max_tokens must be positive")
         return settings
 
 

@@ -107,9 +107,10 @@ def retrieve_datablock(datablock_id: DatablockId, user: CurrentUser, store: Stor
 @router.delete("/datablocks/{datablock_id:path}", summary="Delete a datablock", response_model=DatablockDeleted,
                responses=error_responses(401, 404, 500))
 def delete_datablock(datablock_id: DatablockId, request: Request, user: CurrentUser, store: StoreDep) -> DatablockDeleted:
-    """Cancels its job if queued or running (the worker stops within seconds) and removes the
-    datablock and its cartridge for good."""
+    """Cancels its job if queued or running (the worker stops within seconds), unloads its
+    cartridge from memory, and removes the datablock and its cartridge for good."""
     record = store.get_datablock(user.owner, datablock_id)
     store.delete_datablock(user.owner, record.run_id)
+    request.app.state.serving.unload(record.id)
     request.app.state.supervisor.wake()
     return DatablockDeleted(id=record.id)

@@ -1,0 +1,95 @@
+"""Bodies of chat completions, models, preload, health and status (API.md §3–4).
+
+Chat requests follow OpenAI's: unknown fields are ignored (clients send many), known ones are
+checked, and a bad one is a 400 naming it."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, RootModel
+
+MAX_STOP_SEQUENCES = 4
+MAX_CHOICES = 16
+MAX_TOP_LOGPROBS = 20
+MAX_PRELOAD_IDS = 256
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class FileRef(BaseModel):
+    file_id: str = Field(description="A processed file of the caller; its text goes into the prompt.")
+
+
+class FilePart(BaseModel):
+    type: Literal["file"]
+    file: FileRef
+
+
+ContentPart = Annotated[TextPart | FilePart, Field(discriminator="type")]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = Field(
+        default=None, description="Text, or parts: `{type: text, text}` and `{type: file, file: {file_id}}`.")
+
+
+class CartridgeRef(BaseModel):
+    id: str
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(description="A cartridge id (full or bare run id; loaded on demand) or the base model's id.")
+    messages: list[ChatMessage] = Field(min_length=1)
+    cartridges: list[str | CartridgeRef] | None = Field(
+        default=None, description="Extension: cartridges composed in this order in front of the conversation "
+        "(after the `model` cartridge, if any).")
+    max_tokens: int | None = Field(default=None, ge=1, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stop: str | list[str] | None = Field(default=None, description=f"Up to {MAX_STOP_SEQUENCES} stop sequences.")
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class PreloadRequest(RootModel[list[str]]):
+    root: list[str] = Field(max_length=MAX_PRELOAD_IDS, description="Cartridge ids (full or bare run ids).")
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(description="When it was loaded (Unix seconds).")
+    owned_by: str = "cartridges"
+    parent: str | None = Field(default=None, description="The base model a cartridge belongs to.")
+    num_tokens: int | None = Field(default=None, description="Cartridge length in tokens.")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
+
+
+class Health(BaseModel):
+    status: Literal["healthy", "unhealthy"]
+    device: str
+    loaded_cartridges: list[str] = Field(description="Only those the presented key may see.")

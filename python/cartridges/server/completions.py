@@ -1,0 +1,323 @@
+"""Chat completions over the engine (API.md §4): a request becomes a prompt, a list of
+cartridges and sampling options; the engine's streams become a `chat.completion` or a stream
+of `chat.completion.chunk` events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.sse import format_sse_event
+
+from cartridges.engine import ContextLengthError, Delta, EngineBusyError, EngineStoppedError, \
+    GenerationError, Stream, TokenLogprob, choice_seeds
+from cartridges.server.chat_schemas import MAX_STOP_SEQUENCES, ChatCompletionRequest, FilePart
+from cartridges.server.deps import Principal
+from cartridges.server.errors import APIError
+from cartridges.server.serving import CartridgeUnavailable, Serving
+from cartridges.server.storage import core
+
+FILE_WAIT_S = 30.0  # a file part still being processed is waited for this long
+
+
+@dataclass
+class Plan:
+    """A chat request ready for the engine."""
+
+    prompt: list[int]
+    prefixes: list[Any]
+    cartridge_tokens: int
+    max_new_tokens: int
+    stop: list[str]
+    top_logprobs: int | None  # None: no log-probabilities
+    seeds: list[int]
+    sampling: dict[str, float] = field(default_factory=dict)
+
+
+def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> Plan:
+    """Resolves cartridges and files, renders the prompt, checks the context. Blocking."""
+    model, _ = serving.require_ready()
+    prefixes, cartridge_tokens = [], 0
+    ids: list[tuple[str, str]] = []
+    if body.model != serving.model_id:
+        ids.append((body.model, "model"))
+    ids += [(c if isinstance(c, str) else c.id, "cartridges") for c in body.cartridges or []]
+    for identifier, param in ids:
+        try:
+            loaded, prefix = serving.cartridge(user, identifier, param=param)
+        except CartridgeUnavailable as unavailable:
+            raise unavailable.error from None
+        prefixes.append(prefix)
+        cartridge_tokens += prefix.num_tokens
+
+    messages = [{"role": "system" if m.role == "developer" else m.role,
+                 "content": _content(serving, user, m.content, i)} for i, m in enumerate(body.messages)]
+    try:
+        prompt = model.encode_chat(messages)
+    except Exception as error:  # the model's chat template refuses the conversation (e.g. roles out of order)
+        raise APIError(400, f"The conversation cannot be rendered with the model's chat template: {error}",
+                       code="invalid_value", param="messages") from None
+
+    context, used = model.context_length, cartridge_tokens + len(prompt)
+    requested = body.max_completion_tokens or body.max_tokens
+    if requested is None:
+        requested = min(serving.settings.default_max_tokens, context - used)
+    if requested < 1 or used + requested > context:
+        raise APIError(400, f"This model's maximum context length is {context} tokens; the request needs "
+                       f"{used + max(requested, 1)} ({cartridge_tokens} in cartridges, {len(prompt)} in the messages, "
+                       f"{max(requested, 1)} for the completion). Shorten the messages or lower max_tokens.",
+                       code="context_length_exceeded", param="messages")
+
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise APIError(400, f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences.", code="invalid_value", param="stop")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true.", code="invalid_value", param="top_logprobs")
+    return Plan(
+        prompt=prompt, prefixes=prefixes, cartridge_tokens=cartridge_tokens, max_new_tokens=requested,
+        stop=[s for s in stop if s], top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        seeds=choice_seeds(body.seed, body.n),
+        sampling={"temperature": 1.0 if body.temperature is None else body.temperature,
+                  "top_p": 1.0 if body.top_p is None else body.top_p},
+    )
+
+
+def _content(serving: Serving, user: Principal, content: Any, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        texts.append(_file_text(serving, user, part.file.file_id, index) if isinstance(part, FilePart) else part.text)
+    return "\n\n".join(texts)
+
+
+def _file_text(serving: Serving, user: Principal, file_id: str, index: int) -> str:
+    param = f"messages[{index}].content"
+    try:
+        deadline = time.monotonic() + FILE_WAIT_S
+        record = serving.store.get_file(user.owner, file_id)
+        while record.status == "uploaded" and time.monotonic() < deadline:
+            time.sleep(0.1)
+            record = serving.store.get_file(user.owner, file_id)
+        if record.status != "processed":
+            reason = record.status_details or "it is still being processed"
+            raise APIError(400, f"File '{file_id}' has no text to use: {reason}.", code="file_not_processed",
+                           param=param)
+        return serving.store.file_text(user.owner, file_id)
+    except core().NotFoundError:
+        raise APIError(404, f"No file '{file_id}'.", param=param) from None
+
+
+def submit(serving: Serving, plan: Plan) -> list[Stream]:
+    """Queues the request's choices on the engine (call on the event loop: the streams wake it)."""
+    _, engine = serving.require_ready()
+    try:
+        return engine.submit_many(
+            [plan.prompt] * len(plan.seeds), prefixes=[plan.prefixes] * len(plan.seeds), seeds=plan.seeds,
+            max_new_tokens=plan.max_new_tokens, stop=plan.stop,
+            logprobs=0 if plan.top_logprobs is None else max(1, plan.top_logprobs), **plan.sampling)
+    except ContextLengthError as error:
+        raise APIError(400, f"The request does not fit: {error}", code="context_length_exceeded",
+                       param="max_tokens") from None
+    except EngineBusyError:
+        raise APIError(429, "The server has too many requests waiting; retry shortly.",
+                       headers={"Retry-After": "1"}) from None
+    except EngineStoppedError:
+        raise APIError(503, "The engine has stopped.") from None
+    except ValueError as error:
+        raise APIError(400, str(error), code="invalid_value") from None
+
+
+# -- answers ---------------------------------------------------------------------------------
+
+
+class Answer:
+    """Builds the response objects of one request, and times it."""
+
+    def __init__(self, serving: Serving, plan: Plan, model: str) -> None:
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.plan = plan
+        self._tokenizer = serving.model.tokenizer
+        self._token_bytes: Callable[[int], bytes] = _byte_decoder(self._tokenizer)
+        self._stop_ids = set(self._tokenizer.eos_token_ids)
+        self.started = time.monotonic()
+        self.first_token_at: float | None = None
+
+    def usage(self, streams: list[Stream]) -> dict[str, Any]:
+        prompt = len(self.plan.prompt) + self.plan.cartridge_tokens
+        completion = sum(len(s.tokens) for s in streams)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.plan.cartridge_tokens},
+                "completion_tokens_details": None}
+
+    def completion(self, streams: list[Stream]) -> dict[str, Any]:
+        choices = []
+        for index, stream in enumerate(streams):
+            choices.append({
+                "index": index,
+                "message": {"role": "assistant", "content": stream.text, "refusal": None},
+                "logprobs": self.logprobs(stream.logprobs),
+                "finish_reason": _finish_reason(stream),
+            })
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices, "usage": self.usage(streams)}
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+              with_usage: bool = False) -> bytes:
+        body: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                                "model": self.model, "system_fingerprint": None, "choices": choices}
+        if with_usage:
+            body["usage"] = usage
+        return format_sse_event(data_str=json.dumps(body, separators=(",", ":")))
+
+    def logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        if self.plan.top_logprobs is None:
+            return None
+        return {"content": [self._logprob(e) for e in entries if e.token not in self._stop_ids], "refusal": None}
+
+    def _logprob(self, entry: TokenLogprob) -> dict[str, Any]:
+        top = [self._token(t, lp) for t, lp in entry.top[: self.plan.top_logprobs]]
+        return {**self._token(entry.token, entry.logprob), "top_logprobs": top}
+
+    def _token(self, token: int, logprob: float) -> dict[str, Any]:
+        raw = self._token_bytes(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def _finish_reason(stream: Stream) -> str:
+    if stream.finish_reason == "error":
+        raise GenerationError(stream.error or "generation failed")
+    return "length" if stream.finish_reason == "length" else "stop"
+
+
+def _byte_decoder(tokenizer: Any) -> Callable[[int], bytes]:
+    """A token's bytes. Byte-level BPE vocabularies spell bytes as printable characters
+    (GPT-2's table); special tokens and other vocabularies are decoded as text."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table = {chr(b): b for b in printable}
+    for extra, b in enumerate(b for b in range(256) if b not in set(printable)):
+        table[chr(256 + extra)] = b
+    inner = tokenizer.tokenizer
+    special = set(inner.get_added_tokens_decoder())
+
+    def token_bytes(token: int) -> bytes:
+        piece = inner.id_to_token(int(token)) or ""
+        if piece and token not in special and all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return tokenizer.decode([int(token)], skip_special_tokens=False).encode("utf-8")
+
+    return token_bytes
+
+
+# -- non-streaming and streaming -------------------------------------------------------------
+
+
+async def collect(streams: list[Stream], answer: Answer, disconnected: asyncio.Event) -> dict[str, Any] | None:
+    """Waits for every choice; None when the client went away first (the choices are cancelled)."""
+
+    async def drain(stream: Stream) -> None:
+        async for delta in stream:
+            if answer.first_token_at is None and delta.token is not None:
+                answer.first_token_at = time.monotonic()
+
+    work = asyncio.gather(*(drain(s) for s in streams))
+    gone = asyncio.ensure_future(disconnected.wait())
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            return None
+        work.result()  # raises GenerationError
+        return answer.completion(streams)
+    finally:
+        gone.cancel()
+        for stream in streams:
+            stream.close()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+
+
+async def events(streams: list[Stream], answer: Answer, include_usage: bool,
+                 disconnected: asyncio.Event) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed completion, ending with `data: [DONE]`."""
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: Stream) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((index, delta))
+            queue.put_nowait((index, None))
+        except Exception as error:  # noqa: BLE001 - sent to the client as an error event
+            queue.put_nowait((index, error))
+
+    async def watch() -> None:
+        await disconnected.wait()
+        for stream in streams:
+            stream.close()
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)] + [asyncio.ensure_future(watch())]
+    try:
+        yield answer.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None} for i in range(len(streams))], with_usage=include_usage)
+        remaining = len(streams)
+        while remaining:
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            merged: dict[int, dict[str, Any]] = {}  # one entry per choice in a chunk
+            for index, item in batch:
+                if isinstance(item, BaseException):
+                    yield _error_event(item)
+                    return
+                entry = merged.setdefault(index, {"text": "", "logprobs": [], "finish_reason": None})
+                if item is None:
+                    remaining -= 1
+                    entry["finish_reason"] = _finish_reason(streams[index])
+                    continue
+                if item.token is not None and answer.first_token_at is None:
+                    answer.first_token_at = time.monotonic()
+                entry["text"] += item.text
+                if item.logprob is not None:
+                    entry["logprobs"].append(item.logprob)
+            choices = []
+            for index, entry in sorted(merged.items()):
+                logprobs = answer.logprobs(entry["logprobs"])
+                has_logprobs = bool(logprobs and logprobs["content"])
+                if entry["text"] or has_logprobs:
+                    choices.append({"index": index, "delta": {"content": entry["text"]},
+                                    "logprobs": logprobs if has_logprobs else None, "finish_reason": None})
+                if entry["finish_reason"] is not None:
+                    choices.append({"index": index, "delta": {}, "logprobs": None,
+                                    "finish_reason": entry["finish_reason"]})
+            # a choice appears once per chunk: its finish comes in a chunk of its own
+            content = [c for c in choices if c["finish_reason"] is None]
+            finishes = [c for c in choices if c["finish_reason"] is not None]
+            if content:
+                yield answer.chunk(content, with_usage=include_usage)
+            if finishes:
+                yield answer.chunk(finishes, with_usage=include_usage)
+        if include_usage:
+            yield answer.chunk([], answer.usage(streams), with_usage=True)
+        yield format_sse_event(data_str="[DONE]")
+    except GenerationError as error:
+        yield _error_event(error)
+    finally:
+        for stream in streams:
+            stream.close()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _error_event(error: BaseException) -> bytes:
+    message = "The engine failed while generating." if not isinstance(error, APIError) else error.message
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "internal_error"}}
+    return format_sse_event(data_str=json.dumps(body))
+

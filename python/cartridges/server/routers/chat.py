@@ -1,0 +1,84 @@
+"""`POST /v1/chat/completions` (API.md §4): OpenAI's chat completions, with cartridges as context."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from fastapi.sse import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
+
+from cartridges.engine import GenerationError
+from cartridges.server import completions
+from cartridges.server.chat_schemas import ChatCompletionRequest
+from cartridges.server.deps import CurrentUser
+from cartridges.server.errors import APIError, error_responses
+
+router = APIRouter(tags=["chat"])
+
+_STREAM_DOC = {"text/event-stream": {"schema": {"type": "string", "description": "`data: {chat.completion.chunk}` "
+                                                "events, then `data: [DONE]`."}}}
+
+
+@router.post(
+    "/chat/completions",
+    summary="Create a chat completion",
+    responses={200: {"description": "A `chat.completion`, or with `stream: true` server-sent "
+                     "`chat.completion.chunk` events.", "content": _STREAM_DOC},
+               **error_responses(400, 401, 404, 409, 429, 500, 503)},
+)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, user: CurrentUser) -> Any:
+    """Answers the conversation with the base model, or with cartridges as context: `model` a
+    cartridge id (loaded on demand), and/or the `cartridges` extension to compose several in
+    order. A `file` content part puts a processed file's text in the prompt. A client that
+    disconnects stops its generation."""
+    serving = request.app.state.serving
+    serving.require_ready()
+    plan = await run_in_threadpool(completions.prepare, serving, user, body)
+    answer = completions.Answer(serving, plan, body.model)
+    streams = completions.submit(serving, plan)
+    disconnected = asyncio.Event()
+    watcher = asyncio.ensure_future(_watch_disconnect(request, disconnected))
+    metrics = request.app.state.metrics
+
+    def observe() -> None:
+        usage = answer.usage(streams)
+        metrics.observe_chat(prompt_tokens=usage["prompt_tokens"], cached_tokens=plan.cartridge_tokens,
+                             completion_tokens=usage["completion_tokens"], started=answer.started,
+                             first_token_at=answer.first_token_at, choices=len(streams))
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def stream_events() -> Any:
+            try:
+                async for event in completions.events(streams, answer, include_usage, disconnected):
+                    yield event
+            finally:
+                watcher.cancel()
+                observe()
+
+        return EventSourceResponse(stream_events(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    try:
+        result = await completions.collect(streams, answer, disconnected)
+    except GenerationError:
+        raise APIError(500, "The engine failed while generating.") from None
+    finally:
+        watcher.cancel()
+        observe()
+    if result is None:  # the client is gone; nobody reads this
+        return JSONResponse({}, status_code=499)
+    return JSONResponse(result)
+
+
+async def _watch_disconnect(request: Request, disconnected: asyncio.Event) -> None:
+    """Sets `disconnected` when the client goes away (the body is read: the next message the
+    server gets for this request is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            disconnected.set()
+            return

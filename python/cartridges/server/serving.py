@@ -1,0 +1,217 @@
+"""The server's model, its engine, and the cartridges loaded into it (API.md §3).
+
+The model loads on a background thread so that the server answers at once (`/health` says
+`unhealthy` until it is ready). Loaded cartridges live in the engine's cartridge cache, keyed
+by their full id, under the memory budget: loading past it evicts the least recently used
+cartridge that no running request holds. Every use goes through the store first, so a
+caller reaches only its own cartridges and a deleted one is never served.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from cartridges.jobs import base_model_id
+from cartridges.server.deps import Principal
+from cartridges.server.errors import APIError
+from cartridges.server.settings import Settings
+from cartridges.server.storage import core
+
+log = logging.getLogger("cartridges.server")
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class LoadedCartridge:
+    id: str  # <owner>/<project>/<run_id>
+    owner_id: int
+    num_tokens: int
+    bytes: int
+    loaded_at: int  # Unix seconds
+
+
+class CartridgeUnavailable(Exception):
+    """A cartridge that cannot be used now; `error` is what the client is answered."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cpu_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class Serving:
+    def __init__(self, settings: Settings, store: Any, *, worker_threads: int, max_jobs: int) -> None:
+        self.settings = settings
+        self.store = store
+        self.model_id = base_model_id(settings.model)
+        self.device = resolve_device(settings.device)
+        self.started_at = time.time()
+        self.model: Any | None = None
+        self.engine: Any | None = None
+        self.load_error: str | None = None
+        self._worker_threads = worker_threads
+        self._max_jobs = max_jobs
+        self._running_jobs = 0
+        self._loaded: dict[str, LoadedCartridge] = {}
+        self._lock = threading.Lock()
+        self._loading: dict[str, threading.Lock] = {}  # one load at a time per cartridge
+        self._thread = threading.Thread(target=self._load_model, name="cartridges-model-load", daemon=True)
+
+    # -- model and engine ------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _load_model(self) -> None:
+        from cartridges.model import load_model
+
+        try:
+            started = time.monotonic()
+            model = load_model(self.settings.model, device=self.device)
+            self.engine = model.start_engine(
+                kv_tokens=self.settings.kv_tokens,
+                cartridge_cache_bytes=self.settings.cartridge_memory_mib * MiB,
+                num_threads=self.serve_threads(),
+            )
+            self.model = model
+            log.info("model %s ready on %s in %.1f s", self.model_id, self.device, time.monotonic() - started)
+        except Exception as error:  # the server keeps answering (files, datablocks) and says why
+            self.load_error = f"{type(error).__name__}: {error}"
+            log.exception("the model could not be loaded")
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.core.running
+
+    def require_ready(self) -> tuple[Any, Any]:
+        if not self.ready:
+            if self.load_error:
+                raise APIError(503, "The model could not be loaded; see the server log.")
+            raise APIError(503, "The model is still loading; retry in a few seconds.", headers={"Retry-After": "5"})
+        return self.model, self.engine
+
+    def serve_threads(self) -> int:
+        """The engine's share of the cores now: the setting, or every core minus those of the
+        training workers that are running."""
+        if self.settings.serve_threads:
+            return self.settings.serve_threads
+        return max(1, cpu_cores() - self._worker_threads * self._running_jobs)
+
+    def training_jobs_changed(self, running: int) -> None:
+        """From the job supervisor: `running` workers now compute beside the engine."""
+        self._running_jobs = running
+        if self.engine is not None and self.device == "cpu":
+            self.engine.core.num_threads = self.serve_threads()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+    # -- cartridges ------------------------------------------------------------------------
+
+    def cartridge(self, principal: Principal, identifier: str, *, param: str) -> tuple[LoadedCartridge, Any]:
+        """The caller's cartridge (full or bare run id) and its KV prefix, loaded if needed.
+        Blocking: call from a worker thread. Raises CartridgeUnavailable."""
+        model, engine = self.require_ready()
+        record = self._record(principal, identifier, param)
+        prefix = engine.cartridges.get(record.id)
+        if prefix is None:
+            with self._lock:
+                loading = self._loading.setdefault(record.id, threading.Lock())
+            with loading:  # a second caller waits for the first load instead of repeating it
+                prefix = engine.cartridges.get(record.id)
+                if prefix is None:
+                    prefix = self._load(principal, record, model, engine, param)
+        with self._lock:
+            return self._loaded[record.id], prefix
+
+    def _record(self, principal: Principal, identifier: str, param: str) -> Any:
+        c = core()
+        try:
+            record = self.store.get_datablock(principal.owner, identifier)
+        except c.NotFoundError:
+            raise CartridgeUnavailable(APIError(404, f"No cartridge '{identifier}'.", code="model_not_found",
+                                                param=param)) from None
+        if record.status != "succeeded":
+            raise CartridgeUnavailable(APIError(
+                409, f"Cartridge '{identifier}' is not trained yet (status: {record.status}).",
+                code="cartridge_not_ready", param=param))
+        if record.model != self.model_id:
+            raise CartridgeUnavailable(APIError(
+                400, f"Cartridge '{identifier}' was trained for model '{record.model}'; this server runs "
+                f"'{self.model_id}'.", code="model_mismatch", param=param))
+        return record
+
+    def _load(self, principal: Principal, record: Any, model: Any, engine: Any, param: str) -> Any:
+        from cartridges.cartridge import Cartridge, CartridgeFileError
+
+        c = core()
+        try:
+            path = self.store.datablock_cartridge_path(principal.owner, record.id)
+            prefix = Cartridge.load(path, model).prefix(model)
+        except c.NotFoundError:  # deleted meanwhile
+            raise CartridgeUnavailable(APIError(404, f"No cartridge '{record.id}'.", code="model_not_found",
+                                                param=param)) from None
+        except (CartridgeFileError, c.StoreError) as error:
+            log.error("cartridge %s could not be read: %s", record.id, error)
+            reason = error.reason if isinstance(error, CartridgeFileError) else "its file is damaged"
+            raise CartridgeUnavailable(APIError(500, f"Cartridge '{record.id}' could not be read: {reason}.",
+                                                code="cartridge_unreadable", param=param)) from None
+        size = prefix.nbytes
+        budget = self.settings.cartridge_memory_mib * MiB
+        try:
+            engine.cartridges.put(record.id, prefix)
+        except c.CacheFullError:
+            if size > budget:
+                raise CartridgeUnavailable(APIError(
+                    400, f"Cartridge '{record.id}' ({size / MiB:.1f} MiB) is larger than the server's cartridge "
+                    f"memory ({budget / MiB:.0f} MiB).", code="cartridge_too_large", param=param)) from None
+            raise CartridgeUnavailable(APIError(
+                429, "Cartridge memory is full of cartridges in use by running requests; retry shortly.",
+                code="cartridge_memory_full", param=param, headers={"Retry-After": "1"})) from None
+        loaded = LoadedCartridge(record.id, record.owner_id, record.num_tokens, size, int(time.time()))
+        with self._lock:
+            self._loaded[record.id] = loaded
+        try:  # deleted while it loaded: never serve it
+            self.store.get_datablock(principal.owner, record.id)
+        except c.NotFoundError:
+            self.unload(record.id)
+            raise CartridgeUnavailable(APIError(404, f"No cartridge '{record.id}'.", code="model_not_found",
+                                                param=param)) from None
+        log.info("cartridge %s loaded (%d tokens, %.1f MiB)", record.id, record.num_tokens, size / MiB)
+        return prefix
+
+    def unload(self, cartridge_id: str) -> None:
+        """Drops it from memory (requests running on it finish first)."""
+        if self.engine is not None:
+            self.engine.cartridges.remove(cartridge_id)
+        with self._lock:
+            self._loaded.pop(cartridge_id, None)
+
+    def loaded(self, principal: Principal | None) -> list[LoadedCartridge]:
+        """Loaded cartridges the caller may see (all for the admin, none for nobody), most
+        recently used first."""
+        if self.engine is None or principal is None:
+            return []
+        ids = self.engine.cartridges.ids()
+        with self._lock:
+            for gone in set(self._loaded) - set(ids):  # evicted by the cache
+                del self._loaded[gone]
+            entries = [self._loaded[i] for i in ids if i in self._loaded]
+        return [e for e in entries if principal.admin or e.owner_id == principal.user_id]
