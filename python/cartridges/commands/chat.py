@@ -1,24 +1,42 @@
-"""`cartridges chat`: an interactive chat in the terminal, streaming tokens as they come."""
+"""`cartridges chat`: an interactive chat in the terminal, streaming tokens as they come, with a
+model loaded here or, with `--server`, with a running server through the official OpenAI client."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
-from . import add_model_argument, load_model_or_report
+from . import load_model_or_report
+
+READY_WAIT_S = 300.0  # how long --server waits for a server that is still loading its model
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "chat",
-        help="chat with a model in the terminal",
-        description="Chat with the default model (or --model) in the terminal. "
-        "Type a message and press Enter; /reset clears the conversation; Ctrl-D or /exit quits.",
+        help="chat with a model in the terminal, here or on a server",
+        description="Chat with the default model (or --model) in the terminal, or with a running server "
+        "(--server). Type a message and press Enter; /reset clears the conversation; Ctrl-D or /exit quits.",
+        epilog="With --server, --model and --cartridge take ids of that server rather than files: --model is "
+        "the base model's id or a cartridge id (default: the server's base model, from GET /v1/status), "
+        "--cartridge a cartridge id (<user>/<project>/<run_id> or the bare run id). Cartridges are loaded on "
+        "the server before the first message, so that a wrong id or key is reported at once (exit status 1). "
+        "A message the server refuses is reported and the conversation goes on; the exit status is then 1.",
     )
-    add_model_argument(parser)
-    parser.add_argument("--cartridge", metavar="FILE", action="append", default=[],
-                        help="a trained cartridge (.safetensors, or a research .pt) as context; "
-                        "repeat to compose several, in order")
+    parser.add_argument("--model", metavar="PATH|ID",
+                        help="a Hugging Face model directory or a .gguf file (default: the embedded "
+                        "SmolLM2-135M-Instruct); with --server, a model id: the base model's or a cartridge's")
+    parser.add_argument("--cartridge", metavar="CART", action="append", default=[],
+                        help="a trained cartridge file (.safetensors, or a research .pt) as context; with --server, "
+                        "a cartridge id of that server (not a file); repeat to compose several, in order")
+    parser.add_argument("--server", metavar="URL",
+                        help="chat with a running server (e.g. http://127.0.0.1:8000) instead of a local model")
+    parser.add_argument("--api-key", metavar="KEY",
+                        help="API key for --server (default: CARTRIDGES_API_KEY, then OPENAI_API_KEY)")
     parser.add_argument("--system", metavar="TEXT", help="a system message to start the conversation with")
     parser.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply (default: 512)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 answers greedily (default: 0)")
@@ -27,7 +45,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+class ReplyError(Exception):
+    """One message failed; the conversation goes on without it."""
+
+
+class FatalError(Exception):
+    """The chat cannot go on (server unreachable, key refused)."""
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.server:
+        return _run_server(args)
+    if args.api_key:
+        print("error: --api-key is for --server", file=sys.stderr)
+        return 2
     model = load_model_or_report(args.model)
     if model is None:
         return 1
@@ -40,9 +71,20 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"{model.name} ready. /reset clears the conversation, /exit quits.", file=sys.stderr)
 
-    start = [{"role": "system", "content": args.system}] if args.system else []
+    def reply(messages: list[dict[str, Any]]) -> Iterator[str]:
+        return model.stream_chat(messages, cartridges=prefixes, max_tokens=args.max_tokens,
+                                 temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+
+    return _loop(args.system, reply)
+
+
+def _loop(system: str | None, reply: Callable[[list[dict[str, Any]]], Iterator[str]]) -> int:
+    """Reads messages from stdin until /exit or end of input, streaming each reply to stdout.
+    0, or 1 if a reply failed (ReplyError) or the chat could not go on (FatalError)."""
+    start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
     interactive = sys.stdin.isatty()
+    status = 0
     while True:
         try:
             line = input("you> " if interactive else "")
@@ -57,13 +99,163 @@ def run(args: argparse.Namespace) -> int:
             messages = list(start)
             continue
         messages.append({"role": "user", "content": text})
-        reply = []
+        pieces: list[str] = []
         print("assistant> " if interactive else "", end="", flush=True)
-        for piece in model.stream_chat(messages, cartridges=prefixes, max_tokens=args.max_tokens,
-                                       temperature=args.temperature,
-                                       top_p=args.top_p, seed=args.seed):
-            reply.append(piece)
-            print(piece, end="", flush=True)
+        try:
+            for piece in reply(messages):
+                pieces.append(piece)
+                print(piece, end="", flush=True)
+        except ReplyError as error:
+            print(flush=True)
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            messages.pop()  # the message that failed is not part of the conversation
+            status = 1
+            continue
+        except FatalError as error:
+            print(flush=True)
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            return 1
         print(flush=True)
-        messages.append({"role": "assistant", "content": "".join(reply)})
-    return 0
+        messages.append({"role": "assistant", "content": "".join(pieces)})
+    return status
+
+
+# -- --server ----------------------------------------------------------------------------------
+
+
+def _run_server(args: argparse.Namespace) -> int:
+    key = args.api_key or os.environ.get("CARTRIDGES_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    if not key:
+        print("error: give --api-key or set CARTRIDGES_API_KEY", file=sys.stderr)
+        return 2
+    base = _base_url(args.server)
+    try:
+        client, model = _connect(base, key, args.model, args.cartridge)
+    except FatalError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    context = f"{model}" + (f" with {', '.join(args.cartridge)}" if args.cartridge else "")
+    print(f"connected to {base} ({context}). /reset clears the conversation, /exit quits.", file=sys.stderr)
+
+    options: dict[str, Any] = {"max_completion_tokens": args.max_tokens, "temperature": args.temperature,
+                               "top_p": args.top_p}
+    if args.seed is not None:
+        options["seed"] = args.seed
+    if args.cartridge:
+        options["extra_body"] = {"cartridges": list(args.cartridge)}
+
+    def reply(messages: list[dict[str, Any]]) -> Iterator[str]:
+        import openai
+
+        try:
+            with client.chat.completions.create(model=model, messages=messages, stream=True,  # type: ignore[call-overload]
+                                                **options) as stream:
+                for chunk in stream:
+                    for choice in chunk.choices:
+                        if choice.index == 0 and choice.delta.content:
+                            yield choice.delta.content
+        except (openai.AuthenticationError, openai.PermissionDeniedError, openai.APIConnectionError) as error:
+            raise FatalError(_describe(error, base)) from None
+        except openai.APIError as error:
+            raise ReplyError(_describe(error, base)) from None
+
+    with client:
+        return _loop(args.system, reply)
+
+
+def _base_url(url: str) -> str:
+    """The server's root URL, from one given with or without a /v1 or /api/v1 suffix."""
+    base = url.rstrip("/")
+    for suffix in ("/api/v1", "/v1"):
+        if base.endswith(suffix):
+            return base[: -len(suffix)]
+    return base
+
+
+def _connect(base: str, key: str, model: str | None, cartridges: list[str]) -> tuple[Any, str]:
+    """Checks the server, the key and the cartridges before the first message; returns the
+    OpenAI client and the model id to chat with."""
+    import httpx
+    import openai
+
+    status = _server_status(base)
+    deadline = time.monotonic() + READY_WAIT_S
+    if status.get("status") == "starting":
+        print("waiting for the server to load its model...", file=sys.stderr, flush=True)
+    while status.get("status") == "starting" and time.monotonic() < deadline:
+        time.sleep(0.5)
+        status = _server_status(base)
+    if status.get("status") != "ok":
+        raise FatalError(f"the server at {base} is not ready (status: {status.get('status')!r}); see its log")
+    base_model = status.get("model")
+    model = model or base_model
+    if not model:
+        raise FatalError(f"the server at {base} does not name its model; give --model")
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key=key)
+    try:
+        client.models.list()  # the key is checked here, before the user types anything
+        ids = ([model] if model != base_model else []) + list(cartridges)
+        if ids:  # load them now: a wrong id is reported at once, and the first reply is fast
+            response = httpx.post(base + "/preload", json=list(dict.fromkeys(ids)), timeout=600,
+                                  headers={"Authorization": f"Bearer {key}"})
+            if response.status_code != 200:
+                raise FatalError(f"could not load the cartridges: {_http_error(response)}")
+            failed = [f"{i}: {r.removeprefix('error: ')}" for i, r in response.json().items() if r != "loaded"]
+            if failed:
+                raise FatalError("cartridge " + "; ".join(failed))
+    except openai.APIError as error:
+        client.close()
+        raise FatalError(_describe(error, base)) from None
+    except httpx.HTTPError as error:
+        client.close()
+        raise FatalError(f"cannot reach the server at {base}: {error}") from None
+    except FatalError:
+        client.close()
+        raise
+    return client, model
+
+
+def _server_status(base: str) -> dict[str, Any]:
+    """GET /v1/status (no key needed)."""
+    import httpx
+
+    try:
+        response = httpx.get(base + "/v1/status", timeout=30)
+    except httpx.HTTPError as error:
+        raise FatalError(f"cannot reach the server at {base}: {error or type(error).__name__}") from None
+    if response.status_code != 200:
+        raise FatalError(f"GET {base}/v1/status answered {_http_error(response)}; is this a cartridges server?")
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise FatalError(f"GET {base}/v1/status did not answer JSON; is this a cartridges server?")
+    return body
+
+
+def _describe(error: Any, base: str) -> str:
+    """One line for an openai.APIError: status, code and the server's message."""
+    import openai
+
+    if isinstance(error, openai.APITimeoutError):
+        return f"the server at {base} did not answer in time"
+    if isinstance(error, openai.APIConnectionError):
+        cause = error.__cause__ or error.__context__
+        return f"cannot reach the server at {base}" + (f": {cause}" if cause else "")
+    body = error.body if isinstance(error.body, dict) else {}
+    message = body.get("message") or error.message
+    if isinstance(error, openai.AuthenticationError):
+        return f"the server refused the API key ({error.status_code} {error.code or 'invalid_api_key'}): {message}"
+    status = getattr(error, "status_code", None)
+    label = " ".join(str(x) for x in (status, error.code) if x)
+    return f"{label}: {message}" if label else str(message)
+
+
+def _http_error(response: Any) -> str:
+    try:
+        error = response.json()["error"]
+        return f"{response.status_code} {error.get('code')}: {error.get('message')}"
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"{response.status_code} {response.text[:200]}"

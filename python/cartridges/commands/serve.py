@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-tokens", type=int, metavar="N",
                    help="KV pool of the engine in tokens, shared by all running requests; a request holds "
                    "its prompt plus max_tokens (CARTRIDGES_KV_TOKENS; default 32768)")
-    p.add_argument("--cartridge-memory", type=int, metavar="MIB", dest="cartridge_memory_mib",
+    p.add_argument("--cartridge-memory", type=float, metavar="MIB", dest="cartridge_memory_mib",
                    help="memory for loaded cartridges in MiB; past it the least recently used idle one is "
                    "evicted (CARTRIDGES_CARTRIDGE_MEMORY_MIB; default 1024)")
     p.add_argument("--serve-threads", type=int, metavar="N",

@@ -86,7 +86,7 @@ class Serving:
             model = load_model(self.settings.model, device=self.device)
             self.engine = model.start_engine(
                 kv_tokens=self.settings.kv_tokens,
-                cartridge_cache_bytes=self.settings.cartridge_memory_mib * MiB,
+                cartridge_cache_bytes=self.budget_bytes,
                 num_threads=self.serve_threads(),
             )
             self.model = model
@@ -94,6 +94,10 @@ class Serving:
         except Exception as error:  # the server keeps answering (files, datablocks) and says why
             self.load_error = f"{type(error).__name__}: {error}"
             log.exception("the model could not be loaded")
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.settings.cartridge_memory_mib * MiB)
 
     @property
     def ready(self) -> bool:
@@ -174,14 +178,14 @@ class Serving:
             raise CartridgeUnavailable(APIError(500, f"Cartridge '{record.id}' could not be read: {reason}.",
                                                 code="cartridge_unreadable", param=param)) from None
         size = prefix.nbytes
-        budget = self.settings.cartridge_memory_mib * MiB
+        budget = self.budget_bytes
         try:
             engine.cartridges.put(record.id, prefix)
         except c.CacheFullError:
             if size > budget:
                 raise CartridgeUnavailable(APIError(
                     400, f"Cartridge '{record.id}' ({size / MiB:.1f} MiB) is larger than the server's cartridge "
-                    f"memory ({budget / MiB:.0f} MiB).", code="cartridge_too_large", param=param)) from None
+                    f"memory ({budget / MiB:.1f} MiB).", code="cartridge_too_large", param=param)) from None
             raise CartridgeUnavailable(APIError(
                 429, "Cartridge memory is full of cartridges in use by running requests; retry shortly.",
                 code="cartridge_memory_full", param=param, headers={"Retry-After": "1"})) from None

@@ -58,7 +58,7 @@ class Settings:
     kv_tokens: int = 32768
     """KV pool of the serving engine in tokens, shared by every running request's own tokens
     (prompt and reply; cartridges are apart). Allocated empty: untouched pages cost nothing."""
-    cartridge_memory_mib: int = 1024
+    cartridge_memory_mib: float = 1024
     """Memory budget of loaded cartridges; loading past it evicts the least recently used idle one."""
     serve_threads: int = 0
     """Intra-op threads of the serving engine; 0: every core while no training job runs, the
@@ -86,12 +86,17 @@ class Settings:
             raise ValueError("max_jobs must be positive, worker_threads and serve_threads not negative")
         if settings.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {settings.device!r}")
-        if settings.kv_tokens < 1 or settings.cartridge_memory_mib < 1 or settings.default_max_tokens < 1:
+        if settings.kv_tokens < 1 or settings.cartridge_memory_mib <= 0 or settings.default_max_tokens < 1:
             raise ValueError("kv_tokens, cartridge_memory_mib and default_max_tokens must be positive")
         return settings
 
 
 def _convert(name: str, type_name: object, raw: str, var: str) -> object:
+    if type_name == "float":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{var} must be a number, got {raw!r}") from None
     if type_name == "int":
         try:
             return int(raw)

@@ -133,7 +133,7 @@ def status(request: Request) -> dict[str, Any]:
         "cartridges": {
             "loaded": stats.cartridges.entries if stats else 0,
             "bytes": stats.cartridges.bytes if stats else 0,
-            "budget_bytes": settings.cartridge_memory_mib << 20,
+            "budget_bytes": serving.budget_bytes,
         },
         "training_jobs": {"queued": counts.get("queued", 0), "running": counts.get("running", 0),
                           "max_jobs": supervisor.max_jobs, "worker_threads": supervisor.worker_threads},
