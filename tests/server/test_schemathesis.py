@@ -6,6 +6,8 @@ work with the pinned pytest), with a bounded number of examples per operation.""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -90,3 +92,42 @@ def test_datablock_endpoint_conforms(server: LiveServer, datablock_operations: d
 
     check()
     assert server.alive()
+
+
+SERVING_OPERATIONS = ["POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{model_id}", "GET /v1/status",
+                      "POST /preload", "GET /health", "GET /metrics"]
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator[LiveServer]:
+    """Chat on a tiny model: random valid bodies generate quickly."""
+    live = LiveServer(tmp_path_factory.mktemp("schemathesis-chat") / "data", model=tiny_model_dir).start()
+    try:
+        yield live
+    finally:
+        live.stop()
+
+
+@pytest.fixture(scope="module")
+def serving_operations(tiny_server: LiveServer) -> dict[str, schemathesis.APIOperation]:
+    schema = schemathesis.openapi.from_url(tiny_server.url + "/openapi.json").include(
+        path_regex=r"^/(v1/(chat|models|status)|preload|health|metrics)")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    return {f"{op.method.upper()} {op.path}": op for op in operations}
+
+
+@pytest.mark.parametrize("name", SERVING_OPERATIONS)
+def test_serving_endpoint_conforms(tiny_server: LiveServer, serving_operations: dict, name: str) -> None:
+    """Random bodies and ids on chat, models, preload, health, status, metrics: documented
+    answers, never a 5xx (the model being the tiny one, valid chats finish fast)."""
+    assert sorted(serving_operations) == sorted(SERVING_OPERATIONS)
+    key = tiny_server.add_user()
+    headers = {"Authorization": f"Bearer {key}"}
+
+    @given(case=serving_operations[name].as_strategy())
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+    def check(case: schemathesis.Case) -> None:
+        case.call_and_validate(base_url=tiny_server.url, headers=headers, checks=CHECKS, timeout=60)
+
+    check()
+    assert tiny_server.alive()
