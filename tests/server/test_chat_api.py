@@ -356,3 +356,34 @@ def test_other_bad_requests(chat_server: LiveServer, owner: dict) -> None:
                                                  "frequency_penalty": 0.5, "user": "someone", "tools": None})
     assert ok.status_code == 200
     assert chat_server.alive()
+
+
+def test_a_client_that_leaves_cancels_its_request(chat_server: LiveServer) -> None:
+    """Not streaming: the client gives up before the answer; the engine stops generating for it."""
+    def generated() -> float:
+        for line in httpx.get(chat_server.url + "/metrics").text.splitlines():
+            if line.startswith("cartridges_completion_tokens_total"):
+                return float(line.split()[1])
+        raise AssertionError("no completion token counter")
+
+    before = generated()
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1000, "temperature": 1.0, "n": 4}
+    with pytest.raises(httpx.ReadTimeout):
+        chat_server.http().post("/v1/chat/completions", json=body, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while httpx.get(chat_server.url + "/v1/status").json()["engine"]["running_requests"]:
+        assert time.monotonic() < deadline, "the request kept running after its client left"
+        time.sleep(0.05)
+    assert generated() - before < 4 * 1000 * 0.9  # stopped well before the end
+
+
+def test_default_model_end_to_end(server: LiveServer) -> None:
+    """The embedded model through the official client, streaming and not."""
+    client = server.openai()
+    model_id = httpx.get(server.url + "/v1/status").json()["model"]
+    question = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    reply = client.chat.completions.create(model=model_id, messages=question, max_tokens=8, temperature=0)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model_id, messages=question, max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert "Paris" in reply.choices[0].message.content
+    assert streamed == reply.choices[0].message.content
