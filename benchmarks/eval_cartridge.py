@@ -1,204 +1,548 @@
-"""Cartridge evaluation: does a cartridge trained by self-study recover the in-context gain?
+"""Cartridge evaluation suite: does a cartridge trained by self-study stand in for its document?
 
-A generated document of invented facts (people, towns, years, pets: nothing a model can
-know) and held-out questions with gold answers. For each question, on the default model:
-  (a) no context, (b) the document in context, (c) the trained cartridge in front;
-the mean log-likelihood of the gold answer (per token, and summed) and a match rate (the
-greedy answer contains the gold string). Plus KV bytes of (b) and (c) and wall times.
+Four hand-written documents of invented facts (benchmarks/eval_docs/: a handbook of rules, a
+report made of tables, a narrative, a technical manual), each with 40+ held-out questions and
+gold answers, about half of them phrased unlike the text (paraphrase, a fact reached through
+another, yes/no, a number computed from two stated ones). Training never sees the questions.
 
-    python benchmarks/eval_cartridge.py                       # the recorded configuration
-    python benchmarks/eval_cartridge.py --num-samples 32 --epochs 1   # a quick look
+Per document, on the default model, the gold answer's log-likelihood as the start of the reply
+and a contains-match of the greedy reply, under these conditions:
+  none        no context
+  in_context  the whole document in the system prompt (the target)
+  truncated   the document cut so that its prompt KV has as many tokens as the cartridge
+  init        the untrained cartridge (its initialization: KV of the first corpus tokens)
+  cartridge   the cartridge trained by self-study
+"recovered" = (condition - none) / (in_context - none) on the per-token log-likelihood.
+Also KV bytes (cartridge vs the document in context) and synthesis and training wall times.
+Averages are given apart for the tuning documents (--tune; choose settings on these only) and
+the held-out ones (the honest figure).
+
+Composition (--compose A,B): the cartridges of A and B in one request, prefix list [A, B]; for
+each document's questions, the fraction of its single-cartridge gain kept (target >= 0.8). With
+--baselines-only it composes the untrained (init) cartridges.
+
+    python benchmarks/eval_cartridge.py --threads 2 --out results.json          # the full suite
+    python benchmarks/eval_cartridge.py --baselines-only                        # no training
+    python benchmarks/eval_cartridge.py --quick --docs manual                   # smoke run
+    python benchmarks/eval_cartridge.py --set num_samples=512 --set epochs=2 --docs handbook,report
+    python benchmarks/eval_cartridge.py --compose handbook,narrative --cartridge-dir runs/carts
+
+Trained cartridges are kept in --cartridge-dir under a key of (model, document, config), with
+their training stats beside them; a re-run with the same settings loads them instead of
+training again, and an interrupted training resumes from its checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
-import random
+import math
+import os
+import re
 import sys
 import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
 
 import torch
 
 import cartridges
 from cartridges.cartridge import Cartridge
 from cartridges.selfstudy import Corpus, TrainConfig
-from cartridges.training import init_params
 from cartridges.selfstudy.prompts import SYSTEM_PROMPT
 from cartridges.selfstudy.synthesize import common_prefix_len
+from cartridges.training import init_params
 
-ROLES = ["harbor master", "lamp keeper", "archivist", "bell founder", "ferry captain", "salt merchant",
-         "glassblower", "beekeeper", "cartographer", "rope maker", "clock mender", "orchard warden"]
-ANIMALS = ["heron", "goat", "fox", "tortoise", "owl", "ferret", "donkey", "crow", "hare", "otter"]
-COLORS = ["amber", "teal", "crimson", "ochre", "violet", "silver", "olive", "indigo"]
-SYL = ["vel", "dra", "mon", "ast", "qui", "bel", "tor", "ix", "zan", "lo", "rem", "fa", "ung", "sor", "pel", "yth",
-       "kar", "oss", "miv", "tal"]
+DOCS_DIR = Path(__file__).resolve().parent / "eval_docs"
+ALL_DOCS = ("handbook", "report", "narrative", "manual")
+DEFAULT_TUNE = ("handbook", "report")
+KINDS = ("literal", "paraphrase", "indirect", "yes_no", "computed")
+CONDITIONS = ("none", "in_context", "truncated", "init", "cartridge")
 
-
-def invent(rng: random.Random, parts: int) -> str:
-    return "".join(rng.choice(SYL) for _ in range(parts)).capitalize()
-
-
-def make_document(seed: int = 0, num_people: int = 40) -> tuple[str, list[tuple[str, str]]]:
-    """Prose about invented people and towns, and (question, gold answer) pairs about it."""
-    rng = random.Random(seed)
-    towns = sorted({invent(rng, 2) + rng.choice(["port", "wick", "holm", "mere"]) for _ in range(14)})
-    used: set[str] = set()
-    paragraphs, questions = [], []
-    paragraphs.append(
-        "The Register of the Ninefold Coast. This register records the keepers of the coast towns, "
-        "as collected by the council of the coast. Every entry below was checked by two clerks."
-    )
-    for _ in range(num_people):
-        while True:
-            first, last = invent(rng, 2), invent(rng, 3)
-            if first not in used:
-                used.add(first)
-                break
-        name = f"{first} {last}"
-        role, town, animal = rng.choice(ROLES), rng.choice(towns), rng.choice(ANIMALS)
-        pet, year = invent(rng, 2), rng.randint(1702, 1899)
-        color, boats = rng.choice(COLORS), rng.randint(3, 19)
-        paragraphs.append(
-            f"{name} served as the {role} of {town}, starting in the year {year}. "
-            f"{first} kept a {animal} called {pet}, and painted the door of the workshop {color}. "
-            f"Under {first}, {town} owned {boats} boats."
-        )
-        questions += [
-            (f"What was the name of the {animal} that {name} kept?", pet),
-            (f"In which year did {name} start as the {role} of {town}?", str(year)),
-            (f"Of which town was {name} the {role}?", town),
-            (f"What color was the door of {name}'s workshop?", color),
-        ]
-    rng.shuffle(questions)
-    return "\n\n".join(paragraphs), questions
+# --quick: enough to run every stage end to end in a few minutes on one core, not to learn.
+QUICK_CONFIG = dict(num_samples=16, synthesis_batch_size=8, chunk_min_tokens=256, chunk_max_tokens=768,
+                    max_question_tokens=32, max_answer_tokens=48, epochs=1, batch_size=4)
+QUICK_QUESTIONS = 10
 
 
-def answer_loglik(model, prompts: list[list[int]], answers: list[list[int]], prefixes) -> list[float]:
-    """Sum of log p(answer tokens | prompt) for each pair, with optional prefixes."""
+# -- documents ------------------------------------------------------------------------------
+
+@dataclass
+class Question:
+    question: str
+    answer: str  # short gold string: scored as the reply's first tokens, searched in the reply
+    kind: str
+    aliases: tuple[str, ...] = ()  # other spellings the contains-match accepts ("1,150" / "1150")
+
+
+@dataclass
+class Document:
+    name: str
+    text: str
+    questions: list[Question]
+
+
+def load_document(name: str, docs_dir: Path = DOCS_DIR) -> Document:
+    text = (docs_dir / f"{name}.md").read_text()
+    raw = json.loads((docs_dir / f"{name}.questions.json").read_text())
+    questions = [Question(q["question"], q["answer"], q["kind"], tuple(q.get("aliases", ()))) for q in raw]
+    for q in questions:
+        if q.kind not in KINDS:
+            raise ValueError(f"{name}: unknown kind {q.kind!r} for {q.question!r}")
+        if q.kind == "yes_no" and q.answer not in ("Yes", "No"):
+            raise ValueError(f"{name}: a yes_no answer is 'Yes' or 'No', got {q.answer!r}")
+        if q.kind == "literal" and not any(normalize(a) in normalize(text) for a in (q.answer, *q.aliases)):
+            raise ValueError(f"{name}: the literal answer {q.answer!r} is not in the document")
+    return Document(name, text, questions)
+
+
+def select_questions(questions: list[Question], n: int) -> list[Question]:
+    """All questions (n = 0), or n of them taken in turn from each kind, in file order."""
+    if not n or n >= len(questions):
+        return list(questions)
+    queues = {k: [q for q in questions if q.kind == k] for k in KINDS}
+    picked: list[Question] = []
+    while len(picked) < n:
+        for k in KINDS:
+            if queues[k] and len(picked) < n:
+                picked.append(queues[k].pop(0))
+    return [q for q in questions if any(q is p for p in picked)]
+
+
+# -- matching -------------------------------------------------------------------------------
+
+def normalize(text: str) -> str:
+    """Lower case, single spaces, one kind of apostrophe and dash."""
+    text = text.replace("\u2019", "'").replace("\u2013", "-").replace("\u2014", "-")
+    return " ".join(text.lower().split())
+
+
+def contains_match(reply: str, q: Question) -> bool:
+    """Yes/no: the reply's first 'yes' or 'no' is the gold one. Otherwise: the gold string (or an
+    alias) occurs in the reply, a number not as part of a longer number ('4' is not in '40')."""
+    text = normalize(reply)
+    if q.kind == "yes_no":
+        first = re.search(r"\b(yes|no)\b", text)
+        return first is not None and first.group(1) == q.answer.lower()
+    for gold in (q.answer, *q.aliases):
+        gold = normalize(gold)
+        for m in re.finditer(re.escape(gold), text):
+            s, e = m.span()
+            if (s > 0 and gold[0].isdigit() and text[s - 1].isdigit()) or (
+                    e < len(text) and gold[-1].isdigit() and text[e].isdigit()):
+                continue
+            return True
+    return False
+
+
+# -- conditions -----------------------------------------------------------------------------
+
+@dataclass
+class Condition:
+    """What stands before the question: a system prompt (the document, whole or cut) whose KV is
+    computed once and shared, and/or cartridges (KV prefixes) in front."""
+    system: str | None = None
+    prefixes: tuple[Any, ...] = ()
+
+
+def chat_prompts(model, questions: list[Question], system: str | None) -> list[list[int]]:
+    messages = [[{"role": "user", "content": q.question}] for q in questions]
+    if system is not None:
+        messages = [[{"role": "system", "content": system}, *m] for m in messages]
+    return [list(model.tokenizer.encode_chat(m, add_generation_prompt=True)) for m in messages]
+
+
+def system_len(model, system: str, prompts: list[list[int]]) -> int:
+    """Tokens every prompt shares as its system part: the template up to the user's text (two
+    different user texts tell where), or the prompts' common start for a template that differs."""
+    probes = chat_prompts(model, [Question("A", "", "literal"), Question("B", "", "literal")], system)
+    shared = common_prefix_len(probes)
+    if any(p[:shared] != probes[0][:shared] for p in prompts):
+        shared = min(common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
+    return shared
+
+
+def context_prompts(model, questions: list[Question], cond: Condition) -> tuple[list[list[int]], list[Any], int]:
+    """Token ids of each question's prompt after the shared context, the KV prefixes in front of
+    them, and the number of KV tokens of the context (what it costs in memory per request)."""
+    prompts = chat_prompts(model, questions, cond.system)
+    prefixes = list(cond.prefixes)
+    kv_tokens = sum(p.num_tokens for p in prefixes)
+    if cond.system is not None:
+        # The system prompt is the same for every question: its KV is computed once, as a
+        # prefix (the same numbers as prefilling it with each question, a fraction of the time).
+        shared = system_len(model, cond.system, prompts)
+        prefixes.append(model.core.prefix_from_tokens(torch.tensor(prompts[0][:shared], dtype=torch.long)))
+        prompts = [p[shared:] for p in prompts]
+        kv_tokens += shared
+    return prompts, prefixes, kv_tokens
+
+
+def system_kv_tokens(model, system: str) -> int:
+    """KV tokens of a system prompt as context_prompts counts them."""
+    return system_len(model, system, [])
+
+
+def truncated_document(model, text: str, kv_tokens: int) -> tuple[str, int]:
+    """The longest start of the document whose system prompt holds at most `kv_tokens` KV tokens,
+    and the number of document tokens it keeps."""
+    tok = model.tokenizer
+    ids = tok.encode(text)
+    overhead = system_kv_tokens(model, SYSTEM_PROMPT.format(chunk=""))
+    n = max(1, kv_tokens - overhead)
+    while n > 1:
+        cut = tok.decode(ids[:n])
+        if system_kv_tokens(model, SYSTEM_PROMPT.format(chunk=cut)) <= kv_tokens:
+            return cut, n
+        n -= 1
+    return tok.decode(ids[:1]), 1
+
+
+def answer_logliks(model, prompts: list[list[int]], answers: list[list[int]], prefixes: list[Any]) -> list[float]:
+    """Sum of log p(answer tokens | prefixes, prompt) for each pair."""
     out = []
     with torch.no_grad():
         for prompt, answer in zip(prompts, answers):
-            tokens = torch.tensor([prompt + answer])
+            tokens = torch.tensor([prompt + answer], dtype=torch.long)
             logits = model.core.forward(tokens, prefixes=[prefixes] if prefixes else None)[0]
-            logp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
+            logp = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), -1)
             out.append(float(logp.gather(1, torch.tensor(answer)[:, None]).sum()))
     return out
 
 
-def normalize(text: str) -> str:
-    """Lower case, single spaces, no surrounding punctuation: the form exact match compares."""
-    return " ".join(text.lower().split()).strip(" .,;:!?\"'")
-
-
-def evaluate(model, questions, condition: str, document: str, prefixes) -> dict:
-    tok = model.tokenizer
-    prompts, answers = [], []
-    for q, gold in questions:
-        messages = [{"role": "user", "content": q}]
-        if condition == "in_context":
-            messages = [{"role": "system", "content": SYSTEM_PROMPT.format(chunk=document)}, *messages]
-        prompts.append(tok.encode_chat(messages, add_generation_prompt=True))
-        answers.append(tok.encode(gold))  # the gold answer as the reply's first tokens
+def evaluate(model, questions: list[Question], cond: Condition, max_reply: int) -> dict:
+    """Log-likelihood of the gold answers and contains-match of greedy replies, overall and by kind."""
     t0 = time.perf_counter()
-    if condition == "in_context":
-        # The document is the same for every question: its KV is computed once, as a prefix
-        # (the same numbers as prefilling it with each question, a fraction of the time).
-        shared = min(common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
-        prefixes = [model.core.prefix_from_tokens(torch.tensor(prompts[0][:shared]))]
-        prompts = [p[shared:] for p in prompts]
-    loglik = answer_loglik(model, prompts, answers, prefixes)
-    replies = []
-    for i in range(0, len(prompts), 8):
-        batch = prompts[i : i + 8]
-        replies += model.generate(batch, max_new_tokens=24, prefixes=prefixes or None)
-    matches = [gold.lower() in r.text.lower() for (_, gold), r in zip(questions, replies)]
-    exact = [normalize(gold) == normalize(r.text) for (_, gold), r in zip(questions, replies)]
+    prompts, prefixes, kv_tokens = context_prompts(model, questions, cond)
+    answers = [model.tokenizer.encode(q.answer) for q in questions]
+    loglik = answer_logliks(model, prompts, answers, prefixes)
+    replies = model.generate(prompts, max_new_tokens=max_reply, prefixes=prefixes or None)
+    matches = [contains_match(r.text, q) for q, r in zip(questions, replies)]
+
+    def summary(idx: list[int]) -> dict:
+        return {
+            "n": len(idx),
+            "loglik_per_token": sum(loglik[i] for i in idx) / sum(len(answers[i]) for i in idx),
+            "loglik_sum": sum(loglik[i] for i in idx) / len(idx),
+            "match": sum(matches[i] for i in idx) / len(idx),
+        }
+
+    everything = list(range(len(questions)))
     return {
-        "loglik_sum": sum(loglik) / len(loglik),
-        "loglik_per_token": sum(loglik) / sum(len(a) for a in answers),
-        "match": sum(matches) / len(matches),
-        "exact_match": sum(exact) / len(exact),
+        **summary(everything),
+        "by_kind": {k: summary([i for i in everything if questions[i].kind == k])
+                    for k in KINDS if any(q.kind == k for q in questions)},
+        "kv_tokens": kv_tokens,
         "eval_s": time.perf_counter() - t0,
-        "examples": [(q, gold, r.text) for (q, gold), r in list(zip(questions, replies))[:3]],
+        "per_question": [{"loglik": ll, "reply": r.text, "match": m}
+                         for ll, r, m in zip(loglik, replies, matches)],
     }
+
+
+def recovered(value: float, none: float, full: float) -> float:
+    return (value - none) / (full - none) if full != none else math.nan
+
+
+def add_recovered(conds: dict[str, dict]) -> dict:
+    """(condition - none) / (in_context - none), overall and by kind, for every other condition."""
+    none, full = conds["none"], conds["in_context"]
+    out = {}
+    for name, c in conds.items():
+        if name in ("none", "in_context"):
+            continue
+        out[name] = {
+            "all": recovered(c["loglik_per_token"], none["loglik_per_token"], full["loglik_per_token"]),
+            "by_kind": {k: recovered(v["loglik_per_token"], none["by_kind"][k]["loglik_per_token"],
+                                     full["by_kind"][k]["loglik_per_token"]) for k, v in c["by_kind"].items()},
+        }
+    return out
+
+
+# -- cartridges -----------------------------------------------------------------------------
+
+def kv_bytes_per_token(model) -> int:
+    c = model.core.config
+    element = torch.empty((), dtype=getattr(torch, model.dtype)).element_size()
+    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * element
+
+
+def cartridge_key(model, doc: Document, config: TrainConfig) -> str:
+    blob = json.dumps([model.fingerprint, doc.text, config.to_dict()], sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def get_cartridge(model, doc: Document, config: TrainConfig, directory: Path) -> tuple[Cartridge, dict]:
+    """The trained cartridge of `doc` under `config`, from `directory` when it was trained before."""
+    directory.mkdir(parents=True, exist_ok=True)
+    base = directory / f"{doc.name}-{cartridge_key(model, doc, config)}"
+    path, stats_path = base.with_suffix(".safetensors"), base.with_suffix(".json")
+    if path.exists() and stats_path.exists():
+        print(f"[{doc.name}] cartridge from {path}", file=sys.stderr)
+        return Cartridge.load(path, model), {**json.loads(stats_path.read_text()), "cached": True}
+    print(f"[{doc.name}] training ({config.num_samples} conversations)", file=sys.stderr)
+    checkpoint = base.with_suffix(".ckpt")
+    cart = cartridges.train(model, [doc.text], config, progress=True, checkpoint=checkpoint, resume=True)
+    cart.save(path)
+    stats = {k: v for k, v in cart.stats.items() if k != "data"}
+    losses = stats.pop("losses")
+    stats.update(loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None,
+                 losses=losses, cached=False)
+    stats_path.write_text(json.dumps(stats, indent=1))
+    for leftover in directory.glob(f"{base.name}.ckpt*"):  # training is done: its checkpoints go
+        leftover.unlink()
+    return cart, stats
+
+
+def init_cartridge(model, doc: Document, config: TrainConfig) -> Cartridge:
+    params = init_params(model, Corpus.from_texts(model.tokenizer, [doc.text]), config)
+    return Cartridge.from_params(params, model.fingerprint, config.to_dict())
+
+
+# -- the suite ------------------------------------------------------------------------------
+
+def evaluate_document(model, doc: Document, config: TrainConfig, args, split: str,
+                      memo: dict) -> tuple[dict, Cartridge | None]:
+    questions = select_questions(doc.questions, args.max_questions)
+    per_token = kv_bytes_per_token(model)
+    init = init_cartridge(model, doc, config)
+    cut, cut_tokens = truncated_document(model, doc.text, init.num_tokens)
+    conditions = {
+        "none": Condition(),
+        "in_context": Condition(system=SYSTEM_PROMPT.format(chunk=doc.text)),
+        "truncated": Condition(system=SYSTEM_PROMPT.format(chunk=cut)),
+        "init": Condition(prefixes=(init.prefix(model),)),
+    }
+    cart, train_stats = None, {}
+    if not args.baselines_only:
+        cart, train_stats = get_cartridge(model, doc, config, args.cartridge_dir)
+        conditions["cartridge"] = Condition(prefixes=(cart.prefix(model),))
+    results = {}
+    for name, cond in conditions.items():
+        results[name] = evaluate(model, questions, cond, args.max_reply)
+        memo[(doc.name, name)] = results[name]
+        r = results[name]
+        print(f"[{doc.name}] {name:10s} loglik/token {r['loglik_per_token']:7.3f}  match {r['match']:.3f}  "
+              f"kv {r['kv_tokens']:5d} tokens  ({r['eval_s']:.0f} s)", file=sys.stderr)
+    in_context_kv = results["in_context"]["kv_tokens"] * per_token
+    cart_kv = (cart or init).nbytes
+    return {
+        "split": split,
+        "document_tokens": len(model.tokenizer.encode(doc.text)),
+        "questions": len(questions),
+        "kinds": {k: sum(q.kind == k for q in questions) for k in KINDS},
+        "kv": {
+            "in_context_tokens": results["in_context"]["kv_tokens"],
+            "in_context_bytes": in_context_kv,
+            "cartridge_tokens": (cart or init).num_tokens,
+            "cartridge_bytes": cart_kv,
+            "ratio": in_context_kv / cart_kv,
+            "truncated_tokens": results["truncated"]["kv_tokens"],
+            "truncated_document_tokens": cut_tokens,
+        },
+        "synthesis_s": train_stats.get("synthesis_s"),
+        "training_s": train_stats.get("training_s"),
+        "train_stats": train_stats,
+        "conditions": {name: {k: v for k, v in r.items() if k != "per_question"} for name, r in results.items()},
+        "recovered": add_recovered(results),
+        "per_question": [
+            {"question": q.question, "answer": q.answer, "kind": q.kind,
+             **{name: r["per_question"][i] for name, r in results.items()}}
+            for i, q in enumerate(questions)
+        ],
+    }, cart
+
+
+def average(docs: list[dict]) -> dict | None:
+    if not docs:
+        return None
+
+    def mean(values):
+        values = [v for v in values if v is not None and not math.isnan(v)]
+        return sum(values) / len(values) if values else None
+
+    conds = docs[0]["conditions"].keys()
+    out = {
+        "documents": len(docs),
+        "loglik_per_token": {c: mean(d["conditions"][c]["loglik_per_token"] for d in docs) for c in conds},
+        "match": {c: mean(d["conditions"][c]["match"] for d in docs) for c in conds},
+        "recovered": {c: mean(d["recovered"][c]["all"] for d in docs) for c in docs[0]["recovered"]},
+        "recovered_by_kind": {c: {k: mean(d["recovered"][c]["by_kind"].get(k) for d in docs) for k in KINDS}
+                              for c in docs[0]["recovered"]},
+        "kv_ratio": mean(d["kv"]["ratio"] for d in docs),
+    }
+    if docs[0]["synthesis_s"] is not None:
+        out["synthesis_s"] = mean(d["synthesis_s"] for d in docs)
+        out["training_s"] = mean(d["training_s"] for d in docs)
+    return out
+
+
+def compose(model, docs: dict[str, Document], names: list[str], carts: dict[str, Cartridge], args, label: str,
+            memo: dict) -> dict:
+    """Each document's questions with its own cartridge, and with both in one request ([A, B]),
+    and the fraction of the single-cartridge gain (over no context) that is kept. ([B, A] gives
+    the same numbers: keys carry their positions (RoPE) and attention does not see their order.)
+    `label` is the condition name of these cartridges ("init" or "cartridge"): figures the
+    document's own evaluation already made are taken from `memo`."""
+    a, b = names
+    out = {"cartridges": label, "order": [a, b], "documents": {}}
+    for name in names:
+        doc = docs[name]
+        questions = select_questions(doc.questions, args.max_questions)
+        pa, pb = carts[a].prefix(model), carts[b].prefix(model)
+
+        def run(key: tuple[str, str], cond: Condition) -> dict:
+            if key not in memo:
+                memo[key] = evaluate(model, questions, cond, args.max_reply)
+            return memo[key]
+
+        runs = {
+            "none": run((name, "none"), Condition()),
+            "single": run((name, label), Condition(prefixes=(carts[name].prefix(model),))),
+            f"{a}+{b}": run((name, f"{label}:{a}+{b}"), Condition(prefixes=(pa, pb))),
+        }
+        none = runs["none"]["loglik_per_token"]
+        gain = runs["single"]["loglik_per_token"] - none
+        entry = {"single_gain": gain}
+        for key, r in runs.items():
+            entry[key] = {"loglik_per_token": r["loglik_per_token"], "match": r["match"]}
+            if key not in ("none", "single"):
+                entry[key]["gain_kept"] = (r["loglik_per_token"] - none) / gain if gain > 0 else None
+        out["documents"][name] = entry
+        kept = entry[f"{a}+{b}"]["gain_kept"]
+        print(f"[compose {label}] {name}: single gain {gain:.3f}, kept in [{a}, {b}] "
+              f"{'n/a (no single gain)' if kept is None else f'{kept:.3f}'}", file=sys.stderr)
+    kept = [out["documents"][n][f"{a}+{b}"]["gain_kept"] for n in names]
+    out["min_gain_kept"] = None if None in kept else min(kept)
+    out["target_met"] = None if None in kept else min(kept) >= 0.8
+    return out
+
+
+def check_docs(model, names: list[str]) -> int:
+    """The suite's rules for its documents: 2,000-6,000 tokens, 30+ questions, at least a third
+    of them not literal (load_document checks kinds, yes/no answers and literal answers)."""
+    failures = 0
+    for name in names:
+        doc = load_document(name)
+        tokens = len(model.tokenizer.encode(doc.text))
+        kinds = {k: sum(q.kind == k for q in doc.questions) for k in KINDS}
+        non_literal = len(doc.questions) - kinds["literal"]
+        ok = 2000 <= tokens <= 6000 and len(doc.questions) >= 30 and 3 * non_literal >= len(doc.questions)
+        failures += not ok
+        print(f"{name}: {tokens} tokens, {len(doc.questions)} questions {kinds}, "
+              f"{non_literal} not literal: {'ok' if ok else 'FAILS the rules'}")
+    return 1 if failures else 0
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    types = {f.name: type(getattr(TrainConfig(), f.name)) for f in fields(TrainConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in types:
+            raise SystemExit(f"--set takes FIELD=VALUE with a TrainConfig field ({', '.join(types)}); got {item!r}")
+        if types[key] is bool:
+            out[key] = value.lower() in ("1", "true", "yes", "on")
+        else:
+            out[key] = types[key](value)
+    return out
+
+
+def names_list(value: str) -> list[str]:
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    for n in names:
+        if not (DOCS_DIR / f"{n}.md").exists():
+            raise argparse.ArgumentTypeError(f"no document {n!r} in {DOCS_DIR}")
+    return names
+
+
+def print_table(report: dict) -> None:
+    """Markdown tables of the figures, as benchmarks/README.md records them."""
+    docs = report["documents"]
+    conds = [c for c in CONDITIONS if any(c in d["conditions"] for d in docs.values())]
+    print("\n| document | split | tokens | questions | " + " | ".join(f"{c} loglik/match" for c in conds)
+          + " | recovered " + " / ".join(c for c in conds if c not in ("none", "in_context")) + " | KV ratio |")
+    print("|" + "---|" * (6 + len(conds)))
+    for name, d in docs.items():
+        cells = [f"{d['conditions'][c]['loglik_per_token']:.2f} / {d['conditions'][c]['match']:.2f}" for c in conds]
+        rec = " / ".join(f"{d['recovered'][c]['all']:.2f}" for c in conds if c not in ("none", "in_context"))
+        print(f"| {name} | {d['split']} | {d['document_tokens']} | {d['questions']} | " + " | ".join(cells)
+              + f" | {rec} | {d['kv']['ratio']:.1f}× |")
+    for split, avg in report["averages"].items():
+        if avg is None:
+            continue
+        cells = [f"{avg['loglik_per_token'][c]:.2f} / {avg['match'][c]:.2f}" for c in conds]
+        rec = " / ".join(f"{avg['recovered'][c]:.2f}" for c in conds if c not in ("none", "in_context"))
+        print(f"| **{split} average** | | | | " + " | ".join(cells) + f" | {rec} | {avg['kv_ratio']:.1f}× |")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-tokens", type=int, default=256)
-    parser.add_argument("--num-samples", type=int, default=256)
-    parser.add_argument("--chunk-min", type=int, default=512)
-    parser.add_argument("--chunk-max", type=int, default=1024)
-    parser.add_argument("--synthesis-batch", type=int, default=16)
-    parser.add_argument("--max-question", type=int, default=32)
-    parser.add_argument("--max-answer", type=int, default=80)
-    parser.add_argument("--lr", type=float, default=2e-2)
-    parser.add_argument("--lrs", type=float, nargs="+", metavar="LR",
-                        help="train one cartridge per learning rate on the same synthesized data (overrides --lr)")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--objective", default="distill", choices=["distill", "next_token"])
-    parser.add_argument("--init", default="corpus", choices=["corpus", "text"])
-    parser.add_argument("--num-questions", type=int, default=60)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--save", metavar="PATH", help="write the trained cartridge here")
-    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON here")
+    parser.add_argument("--docs", type=names_list, default=list(ALL_DOCS), help="documents to evaluate (comma-separated)")
+    parser.add_argument("--tune", type=names_list, default=list(DEFAULT_TUNE),
+                        help="the tuning subset (choose settings on these); the others are reported as held out")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a TrainConfig field for training (repeatable), e.g. --set num_samples=64")
+    parser.add_argument("--baselines-only", action="store_true", help="no training: none, in_context, truncated, init")
+    parser.add_argument("--compose", type=names_list, metavar="A,B", help="compose the cartridges of two documents")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"smoke run: tiny synthesis and training ({QUICK_CONFIG}), {QUICK_QUESTIONS} questions")
+    parser.add_argument("--cartridge-dir", type=Path, default=Path("benchmarks/.cartridges"),
+                        help="where trained cartridges are kept and reused (default: %(default)s)")
+    parser.add_argument("--max-questions", type=int, default=0, help="N questions per document, taken in turn from each kind (0: all)")
+    parser.add_argument("--max-reply", type=int, default=48, help="greedy reply tokens for the contains-match")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads (default: all cores)")
+    parser.add_argument("--out", metavar="PATH", help="write every figure (and every reply) as JSON here")
+    parser.add_argument("--check-docs", action="store_true",
+                        help="only check the documents (token counts, kinds, literal answers in the text) and exit")
     args = parser.parse_args()
+    if args.compose and len(args.compose) != 2:
+        parser.error("--compose takes two documents: A,B")
+    if args.quick and not args.max_questions:
+        args.max_questions = QUICK_QUESTIONS
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)  # before the engine starts: its compute thread follows it
     model = cartridges.load_model()
-    document, questions = make_document()
-    questions = questions[: args.num_questions]
-    doc_tokens = len(model.tokenizer.encode(document))
-    c = model.core.config
-    kv_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4  # float32
-    print(f"document: {doc_tokens} tokens, {len(questions)} held-out questions", file=sys.stderr)
+    if args.check_docs:
+        return check_docs(model, args.docs)
+    config = TrainConfig(**{**(QUICK_CONFIG if args.quick else {}), **parse_overrides(args.overrides)})
+    names = list(dict.fromkeys([*args.docs, *(args.compose or [])]))
+    docs = {n: load_document(n) for n in names}
+    t0 = time.perf_counter()
+    report: dict[str, Any] = {
+        "model": model.name, "threads": args.threads, "quick": args.quick, "baselines_only": args.baselines_only,
+        "config": None if args.baselines_only else config.to_dict(), "init_config": config.to_dict(),
+        "tune": args.tune, "documents": {},
+    }
+    carts: dict[str, Cartridge] = {}
+    inits: dict[str, Cartridge] = {}
+    memo: dict[tuple[str, str], dict] = {}  # (document, condition) -> evaluate()'s figures
+    for name in args.docs:
+        split = "tune" if name in args.tune else "held_out"
+        report["documents"][name], cart = evaluate_document(model, docs[name], config, args, split, memo)
+        if cart is not None:
+            carts[name] = cart
+    by_split = {s: [d for d in report["documents"].values() if d["split"] == s] for s in ("tune", "held_out")}
+    report["averages"] = {"tune": average(by_split["tune"]), "held_out": average(by_split["held_out"]),
+                          "all": average(list(report["documents"].values()))}
+    if args.compose:
+        for name in args.compose:
+            inits[name] = init_cartridge(model, docs[name], config)
+            if not args.baselines_only and name not in carts:
+                carts[name] = get_cartridge(model, docs[name], config, args.cartridge_dir)[0]
+        report["composition"] = {"init": compose(model, docs, args.compose, inits, args, "init", memo)}
+        if not args.baselines_only:
+            report["composition"]["trained"] = compose(model, docs, args.compose, carts, args, "cartridge", memo)
+    report["wall_s"] = time.perf_counter() - t0
 
-    config = TrainConfig(
-        num_tokens=args.num_tokens, num_samples=args.num_samples, chunk_min_tokens=args.chunk_min,
-        chunk_max_tokens=args.chunk_max, synthesis_batch_size=args.synthesis_batch,
-        max_question_tokens=args.max_question, max_answer_tokens=args.max_answer, lr=args.lr,
-        epochs=args.epochs, batch_size=args.batch_size, objective=args.objective, init=args.init, seed=args.seed,
-    )
-    baselines = {cond: evaluate(model, questions, cond, document, None) for cond in ("no_context", "in_context")}
-    # The untrained cartridge: what initialization alone gives.
-    init = Cartridge.from_params(init_params(model, Corpus.from_texts(model.tokenizer, [document]), config), "", {})
-    baselines["init_only"] = evaluate(model, questions, "cartridge", document, [init.prefix(model)])
-    for cond, figures in baselines.items():
-        print(cond, {k: v for k, v in figures.items() if k != "examples"}, file=sys.stderr)
-    runs = []
-    data = None  # synthesized once, reused for every learning rate
-    for lr in args.lrs or [args.lr]:
-        config.lr = lr
-        cart = cartridges.train(model, [document], config, progress=True, data=data)
-        synthesis_s = cart.stats["synthesis_s"] if data is None else runs[0]["synthesis_s"]
-        data = cart.stats["data"]
-        if args.save:
-            cart.save(args.save if len(args.lrs or []) < 2 else f"{args.save}.lr{lr:g}")
-        results = {
-            "config": config.to_dict(),
-            "document_tokens": doc_tokens,
-            "kv_bytes_in_context": doc_tokens * kv_per_token,
-            "kv_bytes_cartridge": cart.nbytes,
-            "synthesis_s": synthesis_s,
-            "training_s": cart.stats["training_s"],
-            "losses_first_last": [cart.stats["losses"][0], cart.stats["losses"][-1]],
-            "steps": cart.stats["steps"],
-            **baselines,
-            "cartridge": evaluate(model, questions, "cartridge", document, [cart.prefix(model)]),
-        }
-        print(f"lr {lr:g} cartridge", {k: v for k, v in results["cartridge"].items() if k != "examples"},
-              file=sys.stderr)
-        a, b, cc = (results[k]["loglik_per_token"] for k in ("no_context", "in_context", "cartridge"))
-        results["recovered_loglik_gain"] = (cc - a) / (b - a) if b != a else float("nan")
-        results["kv_ratio"] = results["kv_bytes_in_context"] / results["kv_bytes_cartridge"]
-        runs.append(results)
-    results = runs[0] if len(runs) == 1 else {"runs": runs}
-    print(json.dumps(results, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    summary = {k: v for k, v in report.items() if k != "documents"}
+    summary["documents"] = {n: {k: v for k, v in d.items() if k not in ("per_question", "train_stats")}
+                            for n, d in report["documents"].items()}
+    print(json.dumps(summary, indent=1))
+    print_table(report)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
     return 0
 
 
