@@ -272,10 +272,11 @@ async def events(streams: list[Stream], answer: Answer, include_usage: bool,
             while not queue.empty():
                 batch.append(queue.get_nowait())
             merged: dict[int, dict[str, Any]] = {}  # one entry per choice in a chunk
+            failure: BaseException | None = None
             for index, item in batch:
                 if isinstance(item, BaseException):
-                    yield _error_event(item)
-                    return
+                    failure = item
+                    break
                 entry = merged.setdefault(index, {"text": "", "logprobs": [], "finish_reason": None})
                 if item is None:
                     remaining -= 1
@@ -301,6 +302,9 @@ async def events(streams: list[Stream], answer: Answer, include_usage: bool,
             finishes = [c for c in choices if c["finish_reason"] is not None]
             if content:
                 yield answer.chunk(content, with_usage=include_usage)
+            if failure is not None:  # after what came before it
+                yield _error_event(failure)
+                return
             if finishes:
                 yield answer.chunk(finishes, with_usage=include_usage)
         if include_usage:
