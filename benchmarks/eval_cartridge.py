@@ -285,7 +285,7 @@ def get_cartridge(model, doc: Document, config: TrainConfig, directory: Path) ->
     checkpoint = base.with_suffix(".ckpt")
     cart = cartridges.train(model, [doc.text], config, progress=True, checkpoint=checkpoint, resume=True)
     cart.save(path)
-    stats = {k: v for k, v in cart.stats.items() if k != "data"}
+    stats = {k: v for k, v in cart.stats.items() if k not in ("data", "held_out")}  # tensors
     losses = stats.pop("losses")
     stats.update(loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None,
                  losses=losses, cached=False)

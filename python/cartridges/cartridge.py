@@ -17,8 +17,10 @@ string metadata:
 | `dtype`           | dtype of the stored tensors (`float32`, `bfloat16`, ...)  |
 | `config`          | JSON of the training configuration                        |
 | `checksum`        | `sha256:` + hex digest of every tensor's bytes, in layer order, keys before values |
+| `quality`         | optional: JSON of the quality report (`cartridges.quality.quality_report`) |
 
-`Cartridge.load` checks all of it and raises `CartridgeFileError` on any mismatch.
+`Cartridge.load` checks all of it and raises `CartridgeFileError` on any mismatch. A file
+without `quality` loads with `quality` None; the checksum does not cover it.
 """
 
 from __future__ import annotations
@@ -121,6 +123,12 @@ class Cartridge:
         return self.keys[0].dtype
 
     @property
+    def quality(self) -> dict[str, Any] | None:
+        """The quality report (`cartridges.quality.quality_report`) from training or from the
+        file, `stats["quality"]`; None when there is none."""
+        return self.stats.get("quality")
+
+    @property
     def nbytes(self) -> int:
         """KV memory of the cartridge in its own dtype."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
@@ -148,12 +156,14 @@ class Cartridge:
         )
 
     def to(self, dtype: torch.dtype) -> Cartridge:
+        """A copy in `dtype`; of the stats, only the quality report comes along."""
         return Cartridge(
             [k.to(dtype) for k in self.keys],
             [v.to(dtype) for v in self.values],
             self.num_frozen,
             self.fingerprint,
             dict(self.config),
+            {"quality": self.quality} if self.quality is not None else {},
         )
 
     def prefix(self, model: Any) -> cartridges_core.KVPrefix:
@@ -211,6 +221,8 @@ class Cartridge:
             "config": json.dumps(self.config, sort_keys=True),
             "checksum": self.checksum(),
         }
+        if self.quality is not None:
+            metadata["quality"] = json.dumps(self.quality, sort_keys=True)
         return tensors, metadata
 
     def to_bytes(self) -> bytes:
@@ -259,6 +271,7 @@ class Cartridge:
             num_frozen = int(meta["num_frozen"])
             dtype = _DTYPES[meta["dtype"]]
             config = json.loads(meta.get("config") or "{}")
+            quality = json.loads(meta["quality"]) if meta.get("quality") else None
             checksum = meta["checksum"]
         except (KeyError, ValueError) as error:
             raise CartridgeFileError(path, f"bad or missing metadata: {error}") from None
@@ -276,6 +289,7 @@ class Cartridge:
             num_frozen,
             meta.get("fingerprint", ""),
             config,
+            {"quality": quality} if quality is not None else {},
         )
         if cartridge.checksum() != checksum:
             raise CartridgeFileError(path, "checksum mismatch: the file is damaged")

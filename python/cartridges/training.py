@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -13,6 +14,7 @@ import torch
 import cartridges_core
 
 from .cartridge import Cartridge, core_model, model_fingerprint
+from .quality import copy_params, quality_report
 from .selfstudy import Corpus, TrainConfig, next_token_data, synthesize, training_data
 from .selfstudy.checkpoint import load_conversations, save_conversations
 from .selfstudy.prompts import UNRELATED_TEXT
@@ -42,15 +44,33 @@ def prepare_data(
     config: TrainConfig,
     prefix_tokens: int,
     on_progress: Callable[[str, int, int], object] | None = None,
+    **checkpointing: Any,
+) -> cartridges_core.TrainingData:
+    """The training data for `config.objective`: `prepare_datasets`'s first half, without
+    making held-out conversations (the training data is the same either way).
+    `checkpointing`: `prepare_datasets`'s synthesis_checkpoint, resume and cancel."""
+    config = dataclasses.replace(config, quality_samples=0)
+    return prepare_datasets(model, corpus, config, prefix_tokens, on_progress, **checkpointing)[0]
+
+
+def prepare_datasets(
+    model: Any,
+    corpus: Corpus,
+    config: TrainConfig,
+    prefix_tokens: int,
+    on_progress: Callable[[str, int, int], object] | None = None,
     *,
     synthesis_checkpoint: Path | None = None,
     resume: bool = False,
     cancel: cartridges_core.CancelToken | None = None,
-) -> cartridges_core.TrainingData:
+) -> tuple[cartridges_core.TrainingData, cartridges_core.TrainingData | None]:
     """The training data for `config.objective`: self-study conversations with the teacher's
-    top-k (distill), or windows of the corpus (next_token). With `synthesis_checkpoint`, the
-    conversations so far are saved after each batch (and `resume` continues from them);
-    `cancel` is checked between batches (TrainingCancelled)."""
+    top-k (distill), or windows of the corpus (next_token); and the held-out data of the
+    quality report: `config.quality_samples` more conversations made in the same synthesis
+    run from their own random stream, never trained on (None when quality_samples is 0 or the
+    objective is next_token). With `synthesis_checkpoint`, the conversations so far (training
+    ones first, then held-out ones) are saved after each batch (and `resume` continues from
+    them); `cancel` is checked between batches (TrainingCancelled)."""
     if config.objective == "distill":
         report = (lambda done, total: on_progress("synthesis", done, total)) if on_progress else None
         done = []
@@ -63,9 +83,24 @@ def prepare_data(
             if cancel is not None and cancel.cancelled:
                 raise TrainingCancelled("cancelled during synthesis")
 
-        conversations = synthesize(model, corpus, config, report, done=done, on_batch=after_batch)
-        return training_data(model, conversations, prefix_tokens)
-    return next_token_data(corpus, config, core_model(model).config.max_position_embeddings)
+        conversations = synthesize(model, corpus, config, report, done=done, on_batch=after_batch,
+                                   held_out=config.quality_samples or 0)
+        train_part, held_part = conversations[: config.num_samples], conversations[config.num_samples :]
+        held_out = None
+        if held_part:
+            try:
+                held_out = training_data(model, held_part, prefix_tokens)
+            except ValueError:  # none fits the context next to the cartridge: no report
+                held_out = None
+        return training_data(model, train_part, prefix_tokens), held_out
+    return next_token_data(corpus, config, core_model(model).config.max_position_embeddings), None
+
+
+_DATA_FIELDS = ("tokens", "lengths", "target_mask", "topk_ids", "topk_logprobs")
+
+
+def _data_dict(data: cartridges_core.TrainingData) -> dict[str, torch.Tensor]:
+    return {n: getattr(data, n) for n in _DATA_FIELDS}
 
 
 class _Bar:
@@ -111,6 +146,7 @@ def train(
     cancel: cartridges_core.CancelToken | None = None,
     on_progress: Callable[[str, int, int, float | None], object] | None = None,
     data: cartridges_core.TrainingData | None = None,
+    held_out: cartridges_core.TrainingData | None = None,
 ) -> Cartridge:
     """Train a cartridge for `texts` on `model` by self-study.
 
@@ -122,14 +158,20 @@ def train(
     `cancel.cancel()` stops synthesis between batches (TrainingCancelled) and training within a
     step; the cartridge is then the last completed step's.
     `data` reuses training data made earlier (`prepare_data`, or `stats["data"]` of an earlier
-    cartridge) instead of synthesizing it again, e.g. to compare learning rates.
-    The returned cartridge's `stats` holds losses, wall times and the training data."""
+    cartridge) instead of synthesizing it again, e.g. to compare learning rates; `held_out`
+    (`stats["held_out"]`) likewise for the quality report, which is left out without it.
+
+    The returned cartridge's `stats` holds losses, wall times, the training data (`data`), the
+    held-out data (`held_out`, None without) and the quality report (`quality`, see
+    `cartridges.quality.quality_report`; None when quality_samples is 0, for the next_token
+    objective, or when training was cancelled), which `save` also writes into the file."""
     config = config or TrainConfig()
     if isinstance(texts, str):
         texts = [texts]
     core = core_model(model)
     corpus = Corpus.from_texts(model.tokenizer, texts)
     bar = _Bar(progress, on_progress)
+    quality = None
     try:
         params = init_params(model, corpus, config)
         data_path = Path(f"{checkpoint}.data.pt") if checkpoint is not None else None
@@ -137,14 +179,18 @@ def train(
         t0 = time.perf_counter()
         if resume and data_path is not None and data_path.exists():
             saved = torch.load(data_path, weights_only=True)
+            held = saved.pop("held_out", None)
             data = cartridges_core.TrainingData(**saved)
+            held_out = cartridges_core.TrainingData(**held) if held is not None else None
         elif data is None:
-            data = prepare_data(model, corpus, config, params.num_tokens, bar.update,
-                                synthesis_checkpoint=synthesis_path, resume=resume, cancel=cancel)
+            data, held_out = prepare_datasets(model, corpus, config, params.num_tokens, bar.update,
+                                              synthesis_checkpoint=synthesis_path, resume=resume, cancel=cancel)
         if data_path is not None and not (resume and data_path.exists()):
-            names = ("tokens", "lengths", "target_mask", "topk_ids", "topk_logprobs")
+            saved = _data_dict(data)
+            if held_out is not None:
+                saved["held_out"] = _data_dict(held_out)
             tmp = data_path.with_name(data_path.name + ".tmp")
-            torch.save({n: getattr(data, n) for n in names}, tmp)
+            torch.save(saved, tmp)
             os.replace(tmp, data_path)  # whole or absent: a resume never reads half a file
             if synthesis_path is not None:
                 synthesis_path.unlink(missing_ok=True)  # the data supersedes it
@@ -165,8 +211,12 @@ def train(
         def report(p: cartridges_core.TrainProgress) -> None:
             bar.update("training", p.step, p.total, p.loss)
 
+        init = copy_params(params) if held_out is not None else None
         result = cartridges_core.train_cartridge(core, params, data, options, report, cancel)
         t2 = time.perf_counter()
+        if init is not None and not result.cancelled:
+            quality = quality_report(core, params, init, held_out, config.batch_size)
+        t3 = time.perf_counter()
     finally:
         bar.close()
     cartridge = Cartridge.from_params(params, model_fingerprint(model), config.to_dict())
@@ -178,6 +228,9 @@ def train(
         "num_target_tokens": int(data.topk_ids.shape[0]),
         "synthesis_s": t1 - t0,
         "training_s": t2 - t1,
+        "quality_s": t3 - t2,
+        "quality": quality,
         "data": data,
+        "held_out": held_out,
     }
     return cartridge

@@ -68,7 +68,9 @@ def test_train_is_deterministic_and_reports_progress(model):
     assert first.num_tokens == 24 and first.fingerprint == model.fingerprint
     assert first.config["seed"] == 7 and first.stats["steps"] == 6
     stages = [s[0] for s in seen]
-    assert stages[:2] == ["synthesis", "synthesis"] and stages[2:] == ["training"] * 6
+    # 6 training conversations, then 8 held-out ones for the quality report: 5 batches of 3 or fewer.
+    assert stages[:5] == ["synthesis"] * 5 and stages[5:] == ["training"] * 6
+    assert [s[1:3] for s in seen[:5]] == [(3, 14), (6, 14), (9, 14), (12, 14), (14, 14)]
     assert seen[-1][1:3] == (6, 6) and seen[-1][3] == pytest.approx(first.stats["losses"][-1])
 
 
@@ -118,6 +120,8 @@ def test_synthesis_cancelled_then_resumed_gives_the_uninterrupted_cartridge(mode
     original = Synthesizer.batch
     monkeypatch.setattr(Synthesizer, "batch", lambda self, corpus, rng, n: batches.append(n) or original(self, corpus, rng, n))
     resumed = train(model, [TEXT], config, progress=False, checkpoint=ckpt, resume=True)
-    assert batches == [2, 2]  # the two batches the cancelled run did not make
+    # The two training batches the cancelled run did not make, then the 8 held-out conversations.
+    assert batches == [2, 2, 2, 2, 2, 2]
     assert resumed == full
+    assert resumed.quality == pytest.approx(full.quality)
     assert not (tmp_path / "run.ckpt.synthesis.pt").exists()  # superseded by the data file

@@ -36,7 +36,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for f in fields(TrainConfig):
         value = getattr(defaults, f.name)
         flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
+        if f.name == "quality_samples":  # its default depends on --num-samples
+            parser.add_argument(flag, type=int, default=None, metavar="N",
+                                help="held-out conversations for the quality report (default: max(8, "
+                                     "num_samples / 16), at most 32; 0: no report)")
+        elif isinstance(value, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value,
                                 help=f"(default: {value})")
         else:
@@ -79,4 +83,9 @@ def run(args: argparse.Namespace) -> int:
           f"{stats['num_conversations']} conversations, {stats['steps']} steps, final loss "
           f"{stats['losses'][-1] if stats['losses'] else float('nan'):.4f}; synthesis {stats['synthesis_s']:.0f} s, "
           f"training {stats['training_s']:.0f} s", file=sys.stderr)
+    if stats.get("quality") is not None:
+        from ..quality import describe
+
+        for line in describe(stats["quality"]):
+            print(line, file=sys.stderr)
     return 0

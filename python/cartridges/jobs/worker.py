@@ -104,7 +104,9 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> N
 
     def on_progress(stage: str, done: int, total: int, loss: float | None) -> bool:
         if stage == "synthesis":
-            progress.update("synthesizing", done, total, synthetic_samples=done)
+            # The held-out conversations of the quality report come last; they are not
+            # training samples (metrics.quality counts them).
+            progress.update("synthesizing", done, total, synthetic_samples=min(done, config.num_samples))
         else:
             progress.update("training", done, total, loss=loss)
         if delay:
@@ -114,7 +116,9 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> N
     run_config = config
     if config.checkpoint_every == 0:
         run_config = dataclasses.replace(config, checkpoint_every=DEFAULT_CHECKPOINT_EVERY)
-    progress.update("synthesizing" if config.objective == "distill" else "training", 0, config.num_samples)
+    distill = config.objective == "distill"
+    to_synthesize = config.num_samples + (config.quality_samples or 0) if distill else config.num_samples
+    progress.update("synthesizing" if distill else "training", 0, to_synthesize)
     try:
         cartridge = train(model, texts, run_config, progress=False, checkpoint=scratch / "train.ckpt",
                           resume=True, cancel=cancel, on_progress=on_progress)
@@ -126,7 +130,7 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> N
     stats = cartridge.stats
     progress.update("saving", stats["steps"], stats["steps"], synthetic_samples=stats["num_conversations"],
                     train_tokens=stats["num_target_tokens"],
-                    loss=stats["losses"][-1] if stats["losses"] else None)
+                    loss=stats["losses"][-1] if stats["losses"] else None, quality=stats["quality"])
     blob = store.begin_blob()
     blob.write(cartridge.to_bytes())
     final = {"stage": "done", "completed": stats["steps"], "total": stats["steps"], "eta_seconds": 0}

@@ -9,6 +9,11 @@ INITS = ("corpus", "text")
 OBJECTIVES = ("distill", "next_token")
 
 
+def default_quality_samples(num_samples: int) -> int:
+    """Held-out conversations when the config leaves it open: max(8, num_samples // 16), at most 32."""
+    return min(32, max(8, num_samples // 16))
+
+
 @dataclass
 class TrainConfig:
     # The cartridge
@@ -40,6 +45,10 @@ class TrainConfig:
     max_answer_tokens: int = 192
     top_k: int = 20
     """Teacher log-probabilities kept per answer token."""
+    quality_samples: int | None = None
+    """Held-out conversations for the quality report (never trained on; synthesized with
+    their own random stream, so they change nothing of the training data). None: max(8,
+    num_samples // 16), at most 32; 0: no report. Only for objective "distill"."""
 
     # Training
     lr: float = 2e-2
@@ -71,6 +80,10 @@ class TrainConfig:
             raise ValueError("num_frozen must be in [0, num_tokens)")
         if self.lr <= 0:
             raise ValueError("lr must be positive")
+        if self.quality_samples is None:
+            self.quality_samples = default_quality_samples(self.num_samples)
+        if isinstance(self.quality_samples, bool) or not isinstance(self.quality_samples, int) or self.quality_samples < 0:
+            raise ValueError("quality_samples must be a non-negative integer (0: no quality report)")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

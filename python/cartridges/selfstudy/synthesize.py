@@ -147,6 +147,12 @@ def batch_rng(seed: int, batch: int) -> random.Random:
     return random.Random(f"selfstudy:{seed}:{batch}")
 
 
+def held_out_rng(seed: int, batch: int) -> random.Random:
+    """The random stream of one batch of held-out conversations: separate from the training
+    batches' streams, so that asking for held-out conversations changes no training one."""
+    return random.Random(f"selfstudy-held-out:{seed}:{batch}")
+
+
 def synthesize(
     model,
     corpus: Corpus,
@@ -155,21 +161,32 @@ def synthesize(
     *,
     done: Sequence[Conversation] = (),
     on_batch: Callable[[list[Conversation]], object] | None = None,
+    held_out: int = 0,
 ) -> list[Conversation]:
     """`config.num_samples` conversations about random chunks of `corpus`, deterministic in
-    `config.seed`. `on_progress(done, total)` is called after each batch.
+    `config.seed`, followed by `held_out` more drawn from their own random stream
+    (`held_out_rng`): the first `num_samples` are the same whatever `held_out` is.
+    `on_progress(done, total)` is called after each batch, total counting both.
 
     Resuming: `done` holds the conversations of the batches already made (as `on_batch` last
     saw them); synthesis continues with the next batch. `on_batch(conversations so far)` runs
     after each batch: the place to checkpoint, or to stop by raising."""
     synth = Synthesizer(model, config)
     out: list[Conversation] = list(done)
-    while len(out) < config.num_samples:
-        n = min(config.synthesis_batch_size, config.num_samples - len(out))
-        # Only the last batch is short, so the count done gives the batch index.
-        out.extend(synth.batch(corpus, batch_rng(config.seed, len(out) // config.synthesis_batch_size), n))
+    total = config.num_samples + held_out
+    bs = config.synthesis_batch_size
+    while len(out) < total:
+        if len(out) < config.num_samples:
+            n = min(bs, config.num_samples - len(out))
+            # Only the last training batch is short, so the count done gives the batch index.
+            rng = batch_rng(config.seed, len(out) // bs)
+        else:
+            made = len(out) - config.num_samples
+            n = min(bs, held_out - made)
+            rng = held_out_rng(config.seed, made // bs)
+        out.extend(synth.batch(corpus, rng, n))
         if on_progress is not None:
-            on_progress(len(out), config.num_samples)
+            on_progress(len(out), total)
         if on_batch is not None:  # after on_progress, so that a cancel asked there stops here
             on_batch(out)
     return out
