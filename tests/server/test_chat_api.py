@@ -4,6 +4,7 @@ exactness against the library; cartridges loaded, composed, isolated and deleted
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.slow
 UNTRAINED = {**TINY_TRAIN_CONFIG, "num_tokens": 24, "lr": 1e-30}
 OTHER_DOCUMENT = "The ferry Maribel crosses the lake twice a day. Its captain, Ilse Varn, keeps goats. " * 3
 MESSAGES = [{"role": "user", "content": "Who rings the bell?"}]
+EXPECTED_DEVICE = os.environ.get("CARTRIDGES_DEVICE", "cpu")  # the servers' (CI: cpu; a GPU check: cuda)
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +223,7 @@ def test_models_preload_and_health(chat_server: LiveServer, owner: dict) -> None
         assert m.model_extra["parent"] == "tiny" and m.model_extra["num_tokens"] == 24
     assert chat_server.openai(owner["key"]).models.retrieve("tiny").id == "tiny"
     health = httpx.get(chat_server.url + "/health", headers={"Authorization": f"Bearer {owner['key']}"}).json()
-    assert health["status"] == "healthy" and health["device"] == "cpu"
+    assert health["status"] == "healthy" and health["device"] == EXPECTED_DEVICE
     assert set(health["loaded_cartridges"]) == {owner["bells"], owner["ferry"]}
     assert httpx.get(chat_server.url + "/health").json()["loaded_cartridges"] == []  # no key: nothing
     admin = httpx.get(chat_server.url + "/health", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
@@ -261,7 +263,7 @@ def test_deleting_a_datablock_unloads_it(chat_server: LiveServer, model: cartrid
 def test_status_and_metrics(chat_server: LiveServer, owner: dict) -> None:
     greedy(chat_server.openai(owner["key"]), owner["bells"], max_tokens=3)
     status = httpx.get(chat_server.url + "/v1/status").json()
-    assert status["status"] == "ok" and status["model"] == "tiny" and status["device"] == "cpu"
+    assert status["status"] == "ok" and status["model"] == "tiny" and status["device"] == EXPECTED_DEVICE
     assert status["cartridges"]["loaded"] >= 1 and 0 < status["cartridges"]["bytes"] <= status["cartridges"]["budget_bytes"]
     assert status["training_jobs"]["queued"] == 0 and status["engine"]["kv_tokens"] == 32768
     assert status["engine"]["threads"] >= 1 and status["uptime_s"] >= 0
