@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_STOP_SEQUENCES = 4
 MAX_CHOICES = 16
@@ -68,11 +68,21 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, description="Needs `logprobs: true`.")
 
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
+        return stop
 
-class PreloadRequest(RootModel[list[str]]):
-    root: list[str] = Field(max_length=MAX_PRELOAD_IDS, description="Cartridge ids (full or bare run ids).")
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs 'logprobs': true")
+        return top
 
 
 class ModelObject(BaseModel):

@@ -5,7 +5,9 @@ of `chat.completion.chunk` events."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -16,12 +18,13 @@ from fastapi.sse import format_sse_event
 
 from cartridges.engine import ContextLengthError, Delta, EngineBusyError, EngineStoppedError, \
     GenerationError, Stream, TokenLogprob, choice_seeds
-from cartridges.server.chat_schemas import MAX_STOP_SEQUENCES, ChatCompletionRequest, FilePart
+from cartridges.server.chat_schemas import ChatCompletionRequest, FilePart
 from cartridges.server.deps import Principal
 from cartridges.server.errors import APIError
 from cartridges.server.serving import CartridgeUnavailable, Serving
 from cartridges.server.storage import core
 
+log = logging.getLogger("cartridges.server")
 FILE_WAIT_S = 30.0  # a file part still being processed is waited for this long
 
 
@@ -49,7 +52,7 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
     ids += [(c if isinstance(c, str) else c.id, "cartridges") for c in body.cartridges or []]
     for identifier, param in ids:
         try:
-            loaded, prefix = serving.cartridge(user, identifier, param=param)
+            prefix = serving.cartridge(user, identifier, param=param)
         except CartridgeUnavailable as unavailable:
             raise unavailable.error from None
         prefixes.append(prefix)
@@ -74,10 +77,6 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
                        code="context_length_exceeded", param="messages")
 
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stop) > MAX_STOP_SEQUENCES:
-        raise APIError(400, f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences.", code="invalid_value", param="stop")
-    if body.top_logprobs is not None and not body.logprobs:
-        raise APIError(400, "'top_logprobs' needs 'logprobs': true.", code="invalid_value", param="top_logprobs")
     return Plan(
         prompt=prompt, prefixes=prefixes, cartridge_tokens=cartridge_tokens, max_new_tokens=requested,
         stop=[s for s in stop if s], top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
@@ -139,15 +138,16 @@ def submit(serving: Serving, plan: Plan) -> list[Stream]:
 class Answer:
     """Builds the response objects of one request, and times it."""
 
-    def __init__(self, serving: Serving, plan: Plan, model: str) -> None:
+    def __init__(self, serving: Serving, plan: Plan, model: str, started: float) -> None:
+        """`started`: when the request arrived (time.monotonic()), for time to first token."""
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.plan = plan
         self._tokenizer = serving.model.tokenizer
-        self._token_bytes: Callable[[int], bytes] = _byte_decoder(self._tokenizer)
+        self._token_bytes = _byte_decoder(self._tokenizer)
         self._stop_ids = set(self._tokenizer.eos_token_ids)
-        self.started = time.monotonic()
+        self.started = started
         self.first_token_at: float | None = None
 
     def usage(self, streams: list[Stream]) -> dict[str, Any]:
@@ -197,6 +197,7 @@ def _finish_reason(stream: Stream) -> str:
     return "length" if stream.finish_reason == "length" else "stop"
 
 
+@functools.lru_cache(maxsize=4)  # one per model: built once, not per request
 def _byte_decoder(tokenizer: Any) -> Callable[[int], bytes]:
     """A token's bytes. Byte-level BPE vocabularies spell bytes as printable characters
     (GPT-2's table); special tokens and other vocabularies are decoded as text."""
@@ -287,19 +288,18 @@ async def events(streams: list[Stream], answer: Answer, include_usage: bool,
                 entry["text"] += item.text
                 if item.logprob is not None:
                     entry["logprobs"].append(item.logprob)
-            choices = []
+            # A choice appears once per chunk: its finish comes in a chunk of its own, after its text.
+            content, finishes = [], []
             for index, entry in sorted(merged.items()):
                 logprobs = answer.logprobs(entry["logprobs"])
-                has_logprobs = bool(logprobs and logprobs["content"])
-                if entry["text"] or has_logprobs:
-                    choices.append({"index": index, "delta": {"content": entry["text"]},
-                                    "logprobs": logprobs if has_logprobs else None, "finish_reason": None})
+                if not (logprobs and logprobs["content"]):
+                    logprobs = None
+                if entry["text"] or logprobs:
+                    content.append({"index": index, "delta": {"content": entry["text"]}, "logprobs": logprobs,
+                                    "finish_reason": None})
                 if entry["finish_reason"] is not None:
-                    choices.append({"index": index, "delta": {}, "logprobs": None,
-                                    "finish_reason": entry["finish_reason"]})
-            # a choice appears once per chunk: its finish comes in a chunk of its own
-            content = [c for c in choices if c["finish_reason"] is None]
-            finishes = [c for c in choices if c["finish_reason"] is not None]
+                    finishes.append({"index": index, "delta": {}, "logprobs": None,
+                                     "finish_reason": entry["finish_reason"]})
             if content:
                 yield answer.chunk(content, with_usage=include_usage)
             if failure is not None:  # after what came before it
@@ -321,7 +321,9 @@ async def events(streams: list[Stream], answer: Answer, include_usage: bool,
 
 
 def _error_event(error: BaseException) -> bytes:
-    message = "The engine failed while generating." if not isinstance(error, APIError) else error.message
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "internal_error"}}
+    """The engine's own message goes to the server log only: it may name internals."""
+    log.error("generation failed: %s", error)
+    body = {"error": {"message": "The engine failed while generating.", "type": "server_error", "param": None,
+                      "code": "internal_error"}}
     return format_sse_event(data_str=json.dumps(body))
 

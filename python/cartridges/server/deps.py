@@ -49,25 +49,36 @@ def _unauthorized(message: str) -> APIError:
     return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
+def bearer_key(request: Request) -> str | None:
+    """The key of a well-formed `Authorization: Bearer <key>` header; None otherwise."""
+    scheme, _, key = (request.headers.get("authorization") or "").strip().partition(" ")
+    key = key.strip()
+    return key if scheme.lower() == "bearer" and key and " " not in key else None
+
+
+def principal_for_key(request: Request, store: Any, key: str) -> Principal | None:
+    """Who the key belongs to: the admin (CARTRIDGES_ADMIN_KEY), a user, or nobody."""
+    admin_key = request.app.state.settings.admin_key
+    if admin_key and hmac.compare_digest(key.encode(), admin_key.encode()):
+        return Principal(request.app.state.admin_user_id, "admin", admin=True)
+    user = store.user_for_key(hash_key(key))
+    return Principal(user.id, user.name) if user is not None else None
+
+
 def current_user(
     request: Request,
     store: StoreDep,
     _credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
 ) -> Principal:
-    header = request.headers.get("authorization")
-    if header is None:
+    if request.headers.get("authorization") is None:
         raise _unauthorized("Missing API key: send 'Authorization: Bearer <API key>'.")
-    scheme, _, key = header.strip().partition(" ")
-    key = key.strip()
-    if scheme.lower() != "bearer" or not key or " " in key:
+    key = bearer_key(request)
+    if key is None:
         raise _unauthorized("Malformed Authorization header: expected 'Bearer <API key>'.")
-    admin_key = request.app.state.settings.admin_key
-    if admin_key and hmac.compare_digest(key.encode(), admin_key.encode()):
-        return Principal(request.app.state.admin_user_id, "admin", admin=True)
-    user = store.user_for_key(hash_key(key))
-    if user is None:
+    principal = principal_for_key(request, store, key)
+    if principal is None:
         raise _unauthorized("Incorrect API key provided.")
-    return Principal(user.id, user.name)
+    return principal
 
 
 CurrentUser = Annotated[Principal, Depends(current_user)]

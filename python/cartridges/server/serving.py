@@ -31,7 +31,6 @@ class LoadedCartridge:
     id: str  # <owner>/<project>/<run_id>
     owner_id: int
     num_tokens: int
-    bytes: int
     loaded_at: int  # Unix seconds
 
 
@@ -129,8 +128,8 @@ class Serving:
 
     # -- cartridges ------------------------------------------------------------------------
 
-    def cartridge(self, principal: Principal, identifier: str, *, param: str) -> tuple[LoadedCartridge, Any]:
-        """The caller's cartridge (full or bare run id) and its KV prefix, loaded if needed.
+    def cartridge(self, principal: Principal, identifier: str, *, param: str) -> Any:
+        """The KV prefix of the caller's cartridge (full or bare run id), loaded if needed.
         Blocking: call from a worker thread. Raises CartridgeUnavailable."""
         model, engine = self.require_ready()
         record = self._record(principal, identifier, param)
@@ -142,8 +141,7 @@ class Serving:
                 prefix = engine.cartridges.get(record.id)
                 if prefix is None:
                     prefix = self._load(principal, record, model, engine, param)
-        with self._lock:
-            return self._loaded[record.id], prefix
+        return prefix
 
     def _record(self, principal: Principal, identifier: str, param: str) -> Any:
         c = core()
@@ -189,7 +187,7 @@ class Serving:
             raise CartridgeUnavailable(APIError(
                 429, "Cartridge memory is full of cartridges in use by running requests; retry shortly.",
                 code="cartridge_memory_full", param=param, headers={"Retry-After": "1"})) from None
-        loaded = LoadedCartridge(record.id, record.owner_id, record.num_tokens, size, int(time.time()))
+        loaded = LoadedCartridge(record.id, record.owner_id, record.num_tokens, int(time.time()))
         with self._lock:
             self._loaded[record.id] = loaded
         try:  # deleted while it loaded: never serve it
@@ -207,6 +205,7 @@ class Serving:
             self.engine.cartridges.remove(cartridge_id)
         with self._lock:
             self._loaded.pop(cartridge_id, None)
+            self._loading.pop(cartridge_id, None)
 
     def loaded(self, principal: Principal | None) -> list[LoadedCartridge]:
         """Loaded cartridges the caller may see (all for the admin, none for nobody), most

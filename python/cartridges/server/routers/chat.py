@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -17,6 +19,7 @@ from cartridges.server.deps import CurrentUser
 from cartridges.server.errors import APIError, error_responses
 
 router = APIRouter(tags=["chat"])
+log = logging.getLogger("cartridges.server")
 
 _STREAM_DOC = {"text/event-stream": {"schema": {"type": "string", "description": "`data: {chat.completion.chunk}` "
                                                 "events, then `data: [DONE]`."}}}
@@ -34,10 +37,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     cartridge id (loaded on demand), and/or the `cartridges` extension to compose several in
     order. A `file` content part puts a processed file's text in the prompt. A client that
     disconnects stops its generation."""
+    arrived = time.monotonic()
     serving = request.app.state.serving
-    serving.require_ready()
     plan = await run_in_threadpool(completions.prepare, serving, user, body)
-    answer = completions.Answer(serving, plan, body.model)
+    answer = completions.Answer(serving, plan, body.model, arrived)
     streams = completions.submit(serving, plan)
     disconnected = asyncio.Event()
     watcher = asyncio.ensure_future(_watch_disconnect(request, disconnected))
@@ -64,7 +67,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 
     try:
         result = await completions.collect(streams, answer, disconnected)
-    except GenerationError:
+    except GenerationError as error:
+        log.error("generation failed: %s", error)
         raise APIError(500, "The engine failed while generating.") from None
     finally:
         watcher.cancel()

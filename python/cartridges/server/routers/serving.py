@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import time
 from typing import Annotated, Any
 
@@ -12,9 +11,8 @@ from starlette.concurrency import run_in_threadpool
 
 from cartridges import __version__
 from cartridges.server.chat_schemas import MAX_PRELOAD_IDS, Health, ModelList, ModelObject
-from cartridges.server.deps import CurrentUser, Principal
+from cartridges.server.deps import CurrentUser, Principal, bearer_key, principal_for_key
 from cartridges.server.errors import APIError, error_responses
-from cartridges.server.keys import hash_key
 from cartridges.server.metrics import CONTENT_TYPE, job_counts
 from cartridges.server.serving import CartridgeUnavailable, LoadedCartridge, Serving, cpu_cores
 
@@ -95,15 +93,8 @@ def health(request: Request) -> JSONResponse:
 
 def _optional_principal(request: Request) -> Principal | None:
     """The caller if it presents a valid key; nobody otherwise (health needs no key)."""
-    scheme, _, key = (request.headers.get("authorization") or "").strip().partition(" ")
-    key = key.strip()
-    if scheme.lower() != "bearer" or not key:
-        return None
-    admin_key = request.app.state.settings.admin_key
-    if admin_key and hmac.compare_digest(key.encode(), admin_key.encode()):
-        return Principal(request.app.state.admin_user_id, "admin", admin=True)
-    user = request.app.state.store.user_for_key(hash_key(key))
-    return Principal(user.id, user.name) if user is not None else None
+    key = bearer_key(request)
+    return principal_for_key(request, request.app.state.store, key) if key is not None else None
 
 
 @root.get("/metrics", tags=["service"], summary="Prometheus metrics",
