@@ -52,9 +52,17 @@ void bind_training(py::module_& m) {
       .def_readonly("topk_logprobs", &TrainingData::topk_logprobs)
       .def("validate", &TrainingData::validate, py::arg("vocab_size"));
 
-  m.def("distillation_loss_sum", &distillation_loss_sum, py::arg("model"), py::arg("params"), py::arg("data"),
-        py::arg("rows"), py::call_guard<py::gil_scoped_release>(),
-        "(loss summed over the rows' targets, differentiable w.r.t. params' trainable tensors; target count).");
+  m.def(
+      "distillation_loss_sum",
+      [](const LlamaModel& model, const CartridgeParams& params, const TrainingData& data,
+         const std::vector<int64_t>& rows, std::shared_ptr<KVPrefix> companion, int64_t companion_every) {
+        return distillation_loss_sum(model, params, data, rows, companion, companion_every);
+      },
+      py::arg("model"), py::arg("params"), py::arg("data"),
+        py::arg("rows"), py::arg("companion") = nullptr, py::arg("companion_every") = 0,
+        py::call_guard<py::gil_scoped_release>(),
+        "(loss summed over the rows' targets, differentiable w.r.t. params' trainable tensors; target count). "
+        "Rows r with r % companion_every == 0 have `companion` in front of the cartridge.");
 
   py::class_<Adam>(m, "Adam")
       .def(py::init([](std::vector<at::Tensor> params, double lr, double beta1, double beta2, double eps) {
@@ -78,6 +86,11 @@ void bind_training(py::module_& m) {
       .def_readwrite("checkpoint_path", &TrainOptions::checkpoint_path)
       .def_readwrite("checkpoint_every", &TrainOptions::checkpoint_every)
       .def_readwrite("resume", &TrainOptions::resume)
+      .def_property(
+          "companion", [](const TrainOptions& o) { return std::const_pointer_cast<KVPrefix>(o.companion); },
+          [](TrainOptions& o, std::shared_ptr<KVPrefix> p) { o.companion = std::move(p); },
+          "a prefix put in front of the cartridge for every companion_every-th conversation (None: never)")
+      .def_readwrite("companion_every", &TrainOptions::companion_every)
       .def("total_steps", &TrainOptions::total_steps, py::arg("num_conversations"));
 
   py::class_<TrainProgress>(m, "TrainProgress")

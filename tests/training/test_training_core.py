@@ -38,6 +38,15 @@ def prefix_params(model, n: int = 6, frozen: int = 1) -> cartridges_core.Cartrid
     return init_params(model, corpus, TrainConfig(num_tokens=n, num_frozen=frozen))
 
 
+def reference_prefix(model, params):
+    """Leaf copies of the trainable tensors, and the full keys and values made from them."""
+    ref_trainable = [t.detach().clone().requires_grad_(True) for t in (*params.trainable_keys, *params.trainable_values)]
+    L = model.config.num_layers
+    keys = [torch.cat([f, t], 1) for f, t in zip(params.frozen_keys, ref_trainable[:L])]
+    values = [torch.cat([f, t], 1) for f, t in zip(params.frozen_values, ref_trainable[L:])]
+    return ref_trainable, keys, values
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_model()
@@ -51,10 +60,7 @@ def test_loss_and_gradient_match_plain_pytorch(model):
     assert count == int(data.target_mask[rows].sum())
     loss.backward()
 
-    ref_trainable = [t.detach().clone().requires_grad_(True) for t in (*params.trainable_keys, *params.trainable_values)]
-    L = model.config.num_layers
-    keys = [torch.cat([f, t], 1) for f, t in zip(params.frozen_keys, ref_trainable[:L])]
-    values = [torch.cat([f, t], 1) for f, t in zip(params.frozen_values, ref_trainable[L:])]
+    ref_trainable, keys, values = reference_prefix(model, params)
     ref_loss = reference.distillation_loss_sum(model.weights, model.config, data, rows, keys, values)
     ref_loss.backward()
 
@@ -167,3 +173,32 @@ def test_bad_training_data_is_refused(model):
     bad = cartridges_core.TrainingData(data.tokens, data.lengths, data.target_mask, data.topk_ids[1:], data.topk_logprobs[1:])
     with pytest.raises(RuntimeError, match="topk_ids"):
         cartridges_core.train_cartridge(model.core, prefix_params(model), bad, options())
+
+
+def test_companion_stands_in_front_of_every_nth_conversation(model):
+    """Rows r with r % companion_every == 0 are trained with the companion's KV before the
+    cartridge (composition), the others with the cartridge alone: loss and gradient as plain
+    PyTorch computes them with those prefixes."""
+    data = random_data(model.config.vocab_size)
+    params = prefix_params(model)
+    companion = model.core.prefix_from_tokens(torch.tensor([40, 41, 42, 43, 44], dtype=torch.long))
+    rows = [3, 0, 4, 1, 2]
+    loss, count = cartridges_core.distillation_loss_sum(model.core, params, data, rows, companion, 2)
+    assert count == int(data.target_mask[rows].sum())
+    loss.backward()
+
+    ref_trainable, keys, values = reference_prefix(model, params)
+    behind = [r for r in rows if r % 2 == 0]
+    alone = [r for r in rows if r % 2 != 0]
+    ref_loss = reference.distillation_loss_sum(model.weights, model.config, data, alone, keys, values)
+    ref_loss = ref_loss + reference.distillation_loss_sum(
+        model.weights, model.config, data, behind,
+        [torch.cat([c, k], 1) for c, k in zip(companion.keys, keys)],
+        [torch.cat([c, v], 1) for c, v in zip(companion.values, values)])
+    ref_loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-5)
+    for got, want in zip((*params.trainable_keys, *params.trainable_values), ref_trainable):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-6)
+    # Without the companion, the same rows give another loss: it is really in front.
+    plain, _ = cartridges_core.distillation_loss_sum(model.core, params, data, rows)
+    assert abs(float(plain.detach()) - float(loss.detach())) > 1e-4

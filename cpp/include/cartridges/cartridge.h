@@ -51,8 +51,12 @@ struct TrainingData {
 // the student = `model` with `params` in front (no cache). p_teacher = exp(topk_logprobs),
 // NOT renormalized over the top k (the mass the teacher puts elsewhere is ignored, as in the
 // original research code). Returns (loss sum, number of target positions).
+// With a `companion`, rows r with r % companion_every == 0 have it in front of the cartridge, as
+// another cartridge would be when several are composed: their positions start after both.
 std::pair<at::Tensor, int64_t> distillation_loss_sum(const LlamaModel& model, const CartridgeParams& params,
-                                                     const TrainingData& data, const std::vector<int64_t>& rows);
+                                                     const TrainingData& data, const std::vector<int64_t>& rows,
+                                                     const PrefixPtr& companion = nullptr,
+                                                     int64_t companion_every = 0);
 
 struct AdamOptions {
   double lr = 2e-2;
@@ -92,6 +96,10 @@ struct TrainOptions {
   std::string checkpoint_path;  // empty: no checkpoints
   int64_t checkpoint_every = 0; // steps between checkpoints (and one at the end); 0: never
   bool resume = false;          // start from checkpoint_path when it exists
+  // Composition: conversations r with r % companion_every == 0 are trained with `companion` (a
+  // stand-in for another cartridge) in front, so that the cartridge keeps working composed.
+  PrefixPtr companion;
+  int64_t companion_every = 0;  // 0: never
 
   // Optimizer steps of the whole run for `n` conversations.
   int64_t total_steps(int64_t n) const;

@@ -70,7 +70,8 @@ void TrainingData::validate(int64_t vocab_size) const {
 }
 
 std::pair<at::Tensor, int64_t> distillation_loss_sum(const LlamaModel& model, const CartridgeParams& params,
-                                                     const TrainingData& data, const std::vector<int64_t>& rows) {
+                                                     const TrainingData& data, const std::vector<int64_t>& rows,
+                                                     const PrefixPtr& companion, int64_t companion_every) {
   TORCH_CHECK(!rows.empty(), "distillation_loss_sum: no rows");
   TORCH_CHECK(params.num_layers() == model.config().num_layers, "distillation_loss_sum: the cartridge has ",
               params.num_layers(), " layers, the model ", model.config().num_layers);
@@ -98,7 +99,13 @@ std::pair<at::Tensor, int64_t> distillation_loss_sum(const LlamaModel& model, co
   auto teacher = data.topk_logprobs.index_select(0, targets).to(device);  // [T, K]
 
   PrefixPtr prefix = std::make_shared<KVPrefix>(params.to_prefix(model.dtype(), device, /*detach=*/false));
-  ForwardBatch batch{tokens, lengths, std::vector<PrefixList>(B, PrefixList{prefix})};
+  std::vector<PrefixList> prefixes(B, PrefixList{prefix});
+  if (companion && companion_every > 0) {
+    for (int64_t i = 0; i < B; ++i) {
+      if (rows[i] % companion_every == 0) prefixes[i] = PrefixList{companion, prefix};
+    }
+  }
+  ForwardBatch batch{tokens, lengths, std::move(prefixes)};
   auto hidden = model.forward_hidden(batch, nullptr);                      // [B, S, hidden]
   // Only target positions reach the lm_head: the vocabulary is large.
   auto logprobs = at::log_softmax(model.logits(hidden.index({mask.to(device)})), -1);  // [T, V] float32

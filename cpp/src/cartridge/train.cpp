@@ -150,7 +150,8 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
       }
       std::vector<int64_t> rows(order.begin() + mb, order.begin() + std::min(mb + options.batch_size, end));
       ComputeLock turn;  // takes turns with the serving engine instead of oversubscribing cores
-      auto [loss_sum, count] = distillation_loss_sum(model, params, data, rows);
+      auto [loss_sum, count] =
+          distillation_loss_sum(model, params, data, rows, options.companion, options.companion_every);
       auto loss = loss_sum / static_cast<double>(step_targets);
       loss.backward();
       step_loss += loss.item<double>();
