@@ -20,14 +20,19 @@ from .selfstudy.checkpoint import load_conversations, save_conversations
 from .selfstudy.prompts import UNRELATED_TEXT
 
 
+def unrelated_tokens(model: Any, n: int) -> list[int]:
+    """`n` tokens of text unrelated to any corpus (repeated as needed)."""
+    unrelated = model.tokenizer.encode(UNRELATED_TEXT)
+    return (unrelated * (n // len(unrelated) + 1))[:n]
+
+
 def init_params(model: Any, corpus: Corpus, config: TrainConfig) -> cartridges_core.CartridgeParams:
     """The trainable prefix before training: the KV of the first `num_tokens` corpus tokens
     (fewer when the corpus is shorter), or of unrelated text repeated to `num_tokens`."""
     if config.init == "corpus":
         tokens = corpus.tokens[: config.num_tokens]
     else:
-        unrelated = model.tokenizer.encode(UNRELATED_TEXT)
-        tokens = (unrelated * (config.num_tokens // len(unrelated) + 1))[: config.num_tokens]
+        tokens = unrelated_tokens(model, config.num_tokens)
     if len(tokens) <= config.num_frozen:
         raise ValueError(f"a cartridge needs more than num_frozen={config.num_frozen} tokens; the corpus has {len(tokens)}")
     prefix = core_model(model).prefix_from_tokens(torch.tensor(tokens, dtype=torch.long))
@@ -71,6 +76,7 @@ def prepare_datasets(
     objective is next_token). With `synthesis_checkpoint`, the conversations so far (training
     ones first, then held-out ones) are saved after each batch (and `resume` continues from
     them); `cancel` is checked between batches (TrainingCancelled)."""
+    config = config.for_corpus(len(corpus))
     if config.objective == "distill":
         report = (lambda done, total: on_progress("synthesis", done, total)) if on_progress else None
         done = []
@@ -170,6 +176,7 @@ def train(
         texts = [texts]
     core = core_model(model)
     corpus = Corpus.from_texts(model.tokenizer, texts)
+    config = config.for_corpus(len(corpus))  # the cartridge records the number of conversations made
     bar = _Bar(progress, on_progress)
     quality = None
     try:
@@ -183,7 +190,9 @@ def train(
             data = cartridges_core.TrainingData(**saved)
             held_out = cartridges_core.TrainingData(**held) if held is not None else None
         elif data is None:
-            data, held_out = prepare_datasets(model, corpus, config, params.num_tokens, bar.update,
+            # Conversations trained behind the companion have both prefixes in front.
+            prefix_tokens = params.num_tokens * (2 if config.companion_every else 1)
+            data, held_out = prepare_datasets(model, corpus, config, prefix_tokens, bar.update,
                                               synthesis_checkpoint=synthesis_path, resume=resume, cancel=cancel)
         if data_path is not None and not (resume and data_path.exists()):
             saved = _data_dict(data)
@@ -203,6 +212,11 @@ def train(
         options.grad_accum = config.grad_accum
         options.cosine = config.cosine
         options.seed = config.seed
+        if config.companion_every:
+            # The stand-in for another cartridge in front: KV of unrelated text, as long as this one.
+            companion = unrelated_tokens(model, params.num_tokens)
+            options.companion = core.prefix_from_tokens(torch.tensor(companion, dtype=torch.long))
+            options.companion_every = config.companion_every
         if checkpoint is not None:
             options.checkpoint_path = str(checkpoint)
             options.checkpoint_every = config.checkpoint_every or options.total_steps(data.tokens.shape[0])

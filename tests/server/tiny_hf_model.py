@@ -19,7 +19,7 @@ TEXTS = [
 
 # A training config that synthesizes and trains on the tiny model in well under a second.
 TINY_TRAIN_CONFIG = {
-    "num_tokens": 8, "num_samples": 8, "chunk_min_tokens": 24, "chunk_max_tokens": 48,
+    "num_tokens": 8, "num_samples": 8, "chunk_tokens": 24, "teacher_tokens": 48,
     "synthesis_batch_size": 2, "max_question_tokens": 6, "max_answer_tokens": 6, "top_k": 4,
     "epochs": 1, "batch_size": 2,
 }

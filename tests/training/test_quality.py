@@ -166,7 +166,7 @@ def test_train_command_prints_the_report(model, tmp_path, monkeypatch, capsys):
     (tmp_path / "doc.txt").write_text(TEXT)
     out = tmp_path / "cart.safetensors"
     args = ["train", str(tmp_path / "doc.txt"), "--out", str(out), "--num-tokens", "24", "--num-samples", "4",
-            "--quality-samples", "2", "--chunk-min-tokens", "60", "--chunk-max-tokens", "120",
+            "--quality-samples", "2", "--chunk-tokens", "60", "--teacher-tokens", "120",
             "--synthesis-batch-size", "2", "--max-question-tokens", "8", "--max-answer-tokens", "8",
             "--top-k", "4", "--no-progress"]
     assert main(args) == 0

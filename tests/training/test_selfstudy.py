@@ -21,8 +21,9 @@ TEXT = (
 
 def small_config(**kw) -> TrainConfig:
     base = dict(
-        num_tokens=24, num_samples=6, chunk_min_tokens=60, chunk_max_tokens=120, synthesis_batch_size=3,
+        num_tokens=24, num_samples=6, chunk_tokens=60, teacher_tokens=120, synthesis_batch_size=3,
         max_question_tokens=10, max_answer_tokens=14, top_k=5, epochs=2, batch_size=2, seed=7,
+        written_fraction=0.5,  # both paths: A and B, and conversations written from the chunk
     )
     base.update(kw)
     return TrainConfig(**base)
@@ -33,21 +34,27 @@ def model():
     return tiny_model()
 
 
-def test_teacher_topk_equals_chunk_in_context(model):
+def test_teacher_topk_equals_window_in_context(model):
     config = small_config()
     corpus = Corpus.from_texts(model.tokenizer, [TEXT])
     conversations = synthesize(model, corpus, config)
     assert len(conversations) == 6
     assert len({id(c.chunk) for c in conversations}) == 2  # one chunk per batch of 3
+    assert len({c.kind for c in conversations}) > 2
     synth = Synthesizer(model, config)
-    for c in conversations[:2]:
-        prompt = synth.prompt(c.chunk, c.question)
+    for c in conversations:
+        # The teacher's targets are its top-k with the window (which holds the chunk) in context.
+        assert c.chunk in c.window
+        prompt = synth.prompt(c.window, c.question)
         logits = model.core.forward(torch.tensor([prompt + c.answer]))[0, len(prompt) - 1 : -1]
         values, ids = torch.log_softmax(logits, -1).topk(config.top_k, -1)
         assert c.topk_ids.shape == (len(c.answer), config.top_k)
         torch.testing.assert_close(c.topk_logprobs, values, rtol=1e-4, atol=1e-4)
         assert torch.equal(c.topk_ids[:, 0], ids[:, 0])
-        assert c.answer[0] == int(ids[0, 0])  # B answers greedily
+        if c.kind in ("recall", "cloze"):  # the answer is the chunk's own text (after the cue, or blanked)
+            assert model.tokenizer.decode(c.answer) in c.chunk
+        else:
+            assert c.answer[0] == int(ids[0, 0])  # B answers greedily
 
     data = training_data(model, conversations, config.num_tokens)
     assert data.topk_ids.shape[0] == sum(len(c.answer) for c in conversations)
@@ -118,7 +125,7 @@ def test_synthesis_cancelled_then_resumed_gives_the_uninterrupted_cartridge(mode
 
     batches = []
     original = Synthesizer.batch
-    monkeypatch.setattr(Synthesizer, "batch", lambda self, corpus, rng, n: batches.append(n) or original(self, corpus, rng, n))
+    monkeypatch.setattr(Synthesizer, "batch", lambda self, corpus, view, rng, n: batches.append(n) or original(self, corpus, view, rng, n))
     resumed = train(model, [TEXT], config, progress=False, checkpoint=ckpt, resume=True)
     # The two training batches the cancelled run did not make, then the 8 held-out conversations.
     assert batches == [2, 2, 2, 2, 2, 2]

@@ -36,7 +36,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for f in fields(TrainConfig):
         value = getattr(defaults, f.name)
         flag = "--" + f.name.replace("_", "-")
-        if f.name == "quality_samples":  # its default depends on --num-samples
+        if f.name == "num_samples":  # its default depends on the corpus
+            parser.add_argument(flag, type=int, default=None, metavar="N",
+                                help="synthetic conversations (default: one per 10 corpus tokens, in batches "
+                                     "of 16, at least 128 and at most 8192)")
+        elif f.name == "quality_samples":  # its default depends on --num-samples
             parser.add_argument(flag, type=int, default=None, metavar="N",
                                 help="held-out conversations for the quality report (default: max(8, "
                                      "num_samples / 16), at most 32; 0: no report)")

@@ -22,9 +22,21 @@ class ConfigError(ValueError):
         self.code = code
 
 
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def field_types() -> dict[str, tuple[type, bool]]:
+    """Each TrainConfig field's type, and whether it may be null (None: decided automatically)."""
+    out = {}
+    for f in fields(TrainConfig):
+        names = [part.strip() for part in str(f.type).split("|")]
+        out[f.name] = (_TYPES[names[0]], "None" in names)
+    return out
+
+
 def train_config_from_request(overrides: dict[str, Any] | None) -> TrainConfig:
     """TrainConfig defaults with `overrides` applied; unknown fields and wrong types refused."""
-    types = {f.name: type(getattr(TrainConfig(), f.name)) for f in fields(TrainConfig)}
+    types = field_types()
     values: dict[str, Any] = {}
     for key, value in (overrides or {}).items():
         name = ALIASES.get(key, key)
@@ -32,7 +44,8 @@ def train_config_from_request(overrides: dict[str, Any] | None) -> TrainConfig:
             raise ConfigError(f"config.{key}", f"Unknown config field '{key}'.", code="unknown_parameter")
         if name in values:
             raise ConfigError(f"config.{key}", f"'{key}' is given twice (also as its alias).")
-        values[name] = _checked(key, value, types[name])
+        expected, nullable = types[name]
+        values[name] = None if value is None and nullable else _checked(key, value, expected)
     try:
         return TrainConfig(**values)
     except ValueError as error:

@@ -86,6 +86,7 @@ def run_job(run_id: str, data_dir: str | os.PathLike[str]) -> int:
 def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> None:
     import cartridges_core as core
 
+    from ..selfstudy import Corpus
     from ..selfstudy.config import TrainConfig
     from ..training import TrainingCancelled, train
 
@@ -97,6 +98,8 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> N
     model = _load_model(record.model_path)
     if record.fingerprint and record.fingerprint != model.fingerprint:
         raise JobFailed("interrupted", "the server's base model changed since this job started; it cannot resume")
+    # What the config leaves to the corpus (the number of conversations) is decided here.
+    config = config.for_corpus(len(Corpus.from_texts(model.tokenizer, texts)))
     store.start_datablock(owner, run_id, model.fingerprint)
     progress.start()
     scratch = Path(store.job_dir(owner, run_id))
@@ -126,7 +129,7 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> N
         return
     if progress.stopped or cartridge.stats["cancelled"]:
         return
-    cartridge.config = config.to_dict()  # the config as requested, not our checkpoint cadence
+    cartridge.config = config.to_dict()  # the config used, not our checkpoint cadence
     stats = cartridge.stats
     progress.update("saving", stats["steps"], stats["steps"], synthetic_samples=stats["num_conversations"],
                     train_tokens=stats["num_target_tokens"],

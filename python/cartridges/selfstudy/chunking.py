@@ -1,7 +1,15 @@
-"""The corpus as tokens, and random chunks of it."""
+"""The corpus as tokens, and the plan of which part of it each synthesis batch reads.
+
+Each batch gets a *chunk* (what "A" writes its message about) inside a *window* (what "B", the
+teacher, has in context: the whole corpus when it fits). Chunks tile the corpus evenly rather
+than at random, so that every part of it is asked about once the batches go round once; windows
+tile it likewise, and the batches of one window come one after another, so that its KV is
+computed once per round.
+"""
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,11 +32,72 @@ class Corpus:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def chunk(self, rng: random.Random, min_tokens: int, max_tokens: int) -> list[int]:
-        """A random window of a length drawn in [min_tokens, max_tokens] (both clipped to the
-        corpus length)."""
-        hi = min(max_tokens, len(self.tokens))
-        lo = min(min_tokens, hi)
-        length = rng.randint(lo, hi)
-        start = rng.randint(0, len(self.tokens) - length)
-        return self.tokens[start : start + length]
+
+@dataclass(frozen=True)
+class Span:
+    start: int
+    end: int
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class BatchView:
+    chunk: Span  # what A reads
+    window: Span  # what B reads; it contains the chunk
+
+
+def even_spans(start: int, end: int, length: int, count: int | None = None) -> list[Span]:
+    """Spans of `length` tokens (less when [start, end) is shorter) that cover [start, end),
+    `count` of them (at least the fewest that cover it), evenly spaced: the first starts at
+    `start`, the last ends at `end`, neighbours overlap by the same amount."""
+    total = end - start
+    length = min(length, total)
+    fewest = math.ceil(total / length)
+    count = max(count or fewest, fewest)
+    if count == 1:
+        return [Span(start, start + length)]
+    gap = (total - length) / (count - 1)
+    return [Span(start + round(i * gap), start + round(i * gap) + length) for i in range(count)]
+
+
+def plan_views(corpus_tokens: int, num_batches: int, chunk_tokens: int, window_tokens: int,
+               rng: random.Random) -> list[BatchView]:
+    """What each of `num_batches` batches reads, in order.
+
+    Windows of `window_tokens` cover the corpus (one window when it fits); chunks of
+    `chunk_tokens` cover each window. When `num_batches` is too few for chunks of that length
+    to cover the corpus, chunks grow (up to the window) until they do. Rounds follow each
+    other until every batch has a view: a round visits every chunk once, window by window in a
+    random order, and odd rounds use one more chunk per window than even rounds, so that their
+    boundaries fall elsewhere."""
+    if corpus_tokens < 1 or num_batches < 1:
+        raise ValueError("plan_views needs a non-empty corpus and at least one batch")
+    window_tokens = max(1, min(window_tokens, corpus_tokens))
+    chunk_tokens = max(1, min(chunk_tokens, window_tokens))
+    windows = even_spans(0, corpus_tokens, window_tokens)
+
+    def chunks_of_round(round_index: int, length: int) -> list[list[Span]]:
+        return [even_spans(w.start, w.end, length, math.ceil(len(w) / length) + round_index % 2) for w in windows]
+
+    while chunk_tokens < window_tokens and sum(map(len, chunks_of_round(0, chunk_tokens))) > num_batches:
+        chunk_tokens = min(window_tokens, math.ceil(chunk_tokens * 1.25))
+
+    views: list[BatchView] = []
+    round_index = 0
+    while len(views) < num_batches:
+        per_window = chunks_of_round(round_index, chunk_tokens)
+        for w in rng.sample(range(len(windows)), len(windows)):
+            chunks = per_window[w]
+            views.extend(BatchView(c, windows[w]) for c in rng.sample(chunks, len(chunks)))
+        round_index += 1
+    return views[:num_batches]
+
+
+def random_view(corpus_tokens: int, chunk_tokens: int, window_tokens: int, rng: random.Random) -> BatchView:
+    """One chunk drawn at random from the first round's, with its window (held-out batches)."""
+    window_tokens = max(1, min(window_tokens, corpus_tokens))
+    windows = even_spans(0, corpus_tokens, window_tokens)
+    window = rng.choice(windows)
+    return BatchView(rng.choice(even_spans(window.start, window.end, min(chunk_tokens, len(window)))), window)

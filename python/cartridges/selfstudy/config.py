@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -12,6 +14,13 @@ OBJECTIVES = ("distill", "next_token")
 def default_quality_samples(num_samples: int) -> int:
     """Held-out conversations when the config leaves it open: max(8, num_samples // 16), at most 32."""
     return min(32, max(8, num_samples // 16))
+
+
+def default_num_samples(corpus_tokens: int) -> int:
+    """Conversations when the config leaves it open: one per 10 corpus tokens, in whole batches
+    of 16, at least 128 and at most 8192 (a 2,500-token document gets 256; a 100,000-token
+    corpus 8192, about 16 per 512-token chunk)."""
+    return min(8192, max(128, math.ceil(corpus_tokens / 10 / 16) * 16))
 
 
 @dataclass
@@ -29,20 +38,35 @@ class TrainConfig:
     "next_token": plain next-token loss on windows of the corpus (the ablation; no synthesis)."""
 
     # Synthesis
-    num_samples: int = 256
-    """Synthetic conversations (or corpus windows for next_token)."""
-    chunk_min_tokens: int = 512
-    chunk_max_tokens: int = 4096
-    """Each batch of conversations sees one random window of the corpus of a length drawn in
-    [chunk_min_tokens, chunk_max_tokens], clipped to what the model's context leaves."""
+    num_samples: int | None = None
+    """Synthetic conversations (or corpus windows for next_token). None: scaled to the corpus,
+    one per 10 tokens in batches of 16, at least 128 and at most 8192 (`default_num_samples`)."""
+    chunk_tokens: int = 512
+    """What "A" reads to write its message: the corpus is cut into chunks of this many tokens
+    that cover it evenly, one per batch of conversations (longer when there are too few
+    batches for such chunks to cover the corpus)."""
+    teacher_tokens: int = 1024
+    """What "B", the teacher, has in context when it answers: the window of at most this many
+    corpus tokens that holds the chunk (the whole corpus when it fits; clipped to the model's
+    context). Its KV is computed once per window and shared by every batch reading it.
+    0: the chunk alone."""
+    written_fraction: float = 1.0
+    """Share of the conversations written from the chunk itself rather than by A and B: "recall"
+    (a sentence's start quoted, the rest asked for) and "cloze" (a number or name blanked out),
+    half each, with the document's own words as the answer, scored by the teacher. They carry
+    the facts verbatim and cost no generation. 1 (the default) leaves A and B out: with the
+    default 135M model their conversations did not help (benchmarks/README.md); larger
+    models, which write and answer better, may gain from some (e.g. 0.4)."""
     synthesis_batch_size: int = 16
-    """Conversations generated together; they share their chunk (and its KV)."""
+    """Conversations generated together; they share their chunk and window (and their KV)."""
     question_temperature: float = 0.6
     """Sampling temperature of "A", who writes the user message."""
     answer_temperature: float = 0.0
-    """Temperature of "B", who answers with the chunk in context (0: greedy)."""
-    max_question_tokens: int = 64
-    max_answer_tokens: int = 192
+    """Temperature of "B", who answers with the window in context (0: greedy)."""
+    max_question_tokens: int = 48
+    max_answer_tokens: int = 128
+    """Longer answers are cut here; an answer that ends in a loop (the same words over and over,
+    which small models fall into) is cut where the loop starts."""
     top_k: int = 20
     """Teacher log-probabilities kept per answer token."""
     quality_samples: int | None = None
@@ -57,8 +81,12 @@ class TrainConfig:
     """Conversations per forward/backward."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
-    cosine: bool = False
+    cosine: bool = True
     """Cosine decay of the learning rate to 0 over the run."""
+    companion_every: int = 3
+    """Composition: every companion_every-th conversation is trained with a stand-in for another
+    cartridge in front (the KV of unrelated text, as long as this cartridge), as it would be
+    when composed with another, so that it keeps working then. 0: never."""
     checkpoint_every: int = 0
     """Optimizer steps between checkpoints when train() gets a checkpoint path (0: only at the end)."""
     seed: int = 0
@@ -70,20 +98,35 @@ class TrainConfig:
             raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
-        for name in ("num_tokens", "num_samples", "chunk_min_tokens", "synthesis_batch_size",
+        for name in ("num_tokens", "chunk_tokens", "synthesis_batch_size",
                      "max_question_tokens", "max_answer_tokens", "top_k", "epochs", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        if self.chunk_max_tokens < self.chunk_min_tokens:
-            raise ValueError("chunk_max_tokens must be >= chunk_min_tokens")
+        if self.num_samples is not None and (isinstance(self.num_samples, bool) or self.num_samples < 1):
+            raise ValueError("num_samples must be at least 1 (or None: scaled to the corpus)")
+        if not 0.0 <= self.written_fraction <= 1.0:
+            raise ValueError("written_fraction must be in [0, 1]")
+        if self.companion_every < 0:
+            raise ValueError("companion_every must be non-negative (0: never)")
+        if self.teacher_tokens < 0:
+            raise ValueError("teacher_tokens must be non-negative (0: the teacher sees the chunk alone)")
         if not 0 <= self.num_frozen < self.num_tokens:
             raise ValueError("num_frozen must be in [0, num_tokens)")
         if self.lr <= 0:
             raise ValueError("lr must be positive")
-        if self.quality_samples is None:
+        if self.quality_samples is None and self.num_samples is not None:
             self.quality_samples = default_quality_samples(self.num_samples)
-        if isinstance(self.quality_samples, bool) or not isinstance(self.quality_samples, int) or self.quality_samples < 0:
+        # With num_samples left to the corpus, quality_samples is decided with it (for_corpus).
+        quality = self.quality_samples
+        if quality is not None and (isinstance(quality, bool) or not isinstance(quality, int) or quality < 0):
             raise ValueError("quality_samples must be a non-negative integer (0: no quality report)")
+
+    def for_corpus(self, corpus_tokens: int) -> TrainConfig:
+        """This config with what it leaves to the corpus decided: num_samples (and with it
+        quality_samples) for a corpus of `corpus_tokens` tokens."""
+        if self.num_samples is not None:
+            return self
+        return dataclasses.replace(self, num_samples=default_num_samples(corpus_tokens))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,9 +1,14 @@
 """Seed prompts for "A", the model instance that writes user messages about a chunk, and the
-system prompt both instances see. Five kinds, as in self-study; the wording is ours."""
+system prompt both instances see. Five kinds, as in self-study (the wording is ours), and a
+sixth, "recall", written here rather than by A: the message quotes the start of a sentence of
+the chunk and asks for what follows, and the answer is the document's own text (scored by the
+teacher, not generated), so that the facts themselves, word for word, are among what the
+cartridge learns to say: a small model as B often answers other messages wrongly."""
 
 from __future__ import annotations
 
 import random
+import re
 
 SYSTEM_PROMPT = (
     "You are reading the following document. Use only what it says.\n\n"
@@ -44,16 +49,94 @@ SEED_PROMPTS: dict[str, tuple[str, ...]] = {
     ),
 }
 
-KINDS = tuple(SEED_PROMPTS)
+RECALL = "recall"
+CLOZE = "cloze"
+KINDS = (*SEED_PROMPTS, RECALL, CLOZE)
+WRITTEN_HERE = (RECALL, CLOZE)  # kinds whose message and answer come from the chunk, not from A and B
+
+# How often each of A's kinds is drawn: weighted toward messages that ask for the facts. A
+# small model as A turns creative and use-case seeds into messages often not about the chunk.
+KIND_WEIGHTS = {"question": 4, "structuring": 2, "summarization": 1, "use_case": 1, "creative": 1}
+
+RECALL_TEMPLATES = (
+    'Continue this passage from the document, word for word: "{cue}"',
+    'What does the document say right after "{cue}"? Quote it.',
+    'Where the document says "{cue}", what comes next?',
+    'Quote the rest of the part of the document that begins "{cue}".',
+)
 
 
-def draw_seed_prompts(rng: random.Random, n: int) -> list[tuple[str, str]]:
-    """`n` (kind, prompt) pairs: kinds drawn uniformly, then a prompt of that kind."""
-    out = []
-    for _ in range(n):
-        kind = rng.choice(KINDS)
-        out.append((kind, rng.choice(SEED_PROMPTS[kind])))
-    return out
+CLOZE_TEMPLATES = (
+    'Fill in the blank with the words the document uses: "{sentence}"',
+    'According to the document, what goes in the blank? "{sentence}"',
+)
+
+_TEMPLATES = {**SEED_PROMPTS, RECALL: RECALL_TEMPLATES, CLOZE: CLOZE_TEMPLATES}
+
+
+def draw_seed_prompts(rng: random.Random, n: int, written_fraction: float) -> list[tuple[str, str]]:
+    """`n` (kind, prompt) pairs: with probability `written_fraction` "recall" or "cloze" (even
+    odds; the prompt is a template that `written_message` fills in), else one of A's kinds
+    drawn by KIND_WEIGHTS; then a prompt of that kind."""
+    a_kinds = tuple(KIND_WEIGHTS)
+    kinds = [
+        rng.choice(WRITTEN_HERE) if rng.random() < written_fraction
+        else rng.choices(a_kinds, weights=[KIND_WEIGHTS[k] for k in a_kinds])[0]
+        for _ in range(n)
+    ]
+    return [(k, rng.choice(_TEMPLATES[k])) for k in kinds]
+
+
+def written_message(kind: str, template: str, chunk_text: str, rng: random.Random) -> tuple[str, str]:
+    """The message and answer of a row whose kind is in WRITTEN_HERE."""
+    return (recall_message if kind == RECALL else cloze_message)(template, chunk_text, rng)
+
+
+_SENTENCE_START = re.compile(r"(?:^|(?<=[.!?:;|\n]))\s*(?=[A-Z0-9])")
+
+
+def recall_message(template: str, chunk_text: str, rng: random.Random, cue_words: int = 8,
+                   min_rest_words: int = 12) -> tuple[str, str]:
+    """A "recall" message and its answer: `template` with the first `cue_words` words of a
+    sentence (or line, or table cell) of the chunk, drawn at random among those followed by at
+    least `min_rest_words` more words, and the chunk's text after the cue."""
+    candidates = []
+    for match in _SENTENCE_START.finditer(chunk_text):
+        words = list(re.finditer(r"\S+", chunk_text[match.end() :]))
+        if len(words) >= cue_words + min_rest_words:
+            cue_end = match.end() + words[cue_words - 1].end()
+            candidates.append((chunk_text[match.end() : cue_end], cue_end))
+    if not candidates:  # a chunk without such sentences: its first words
+        words = list(re.finditer(r"\S+", chunk_text))
+        cue_end = words[min(cue_words, len(words)) - 1].end() if words else 0
+        candidates = [(chunk_text[:cue_end], cue_end)]
+    cue, cue_end = rng.choice(candidates)
+    return template.format(cue=" ".join(cue.split())), chunk_text[cue_end:].strip()
+
+
+# What a cloze blanks out: a number (with a % or °C), or a run of capitalized words that does
+# not start the sentence (a name).
+_CLOZE_SPAN = re.compile(r"\d(?:[\d,.:/]*\d)?(?:\s?(?:%|°C))?|(?<=\s)[A-Z][a-z]+(?:\s[A-Z][a-z]+)*")
+_SENTENCE = re.compile(r"(?:[^.!?\n|]|[.!?](?=\S))+[.!?]?")  # "6.4" does not end a sentence
+
+
+def cloze_message(template: str, chunk_text: str, rng: random.Random, min_words: int = 6) -> tuple[str, str]:
+    """A "cloze" message and its answer: a sentence of the chunk (or table cell run) with one
+    number or name blanked out, drawn at random, and the blanked words. Sentences cut by the
+    chunk's edges are left out. Falls back to a recall message when no sentence has a blank."""
+    candidates = []
+    for match in _SENTENCE.finditer(chunk_text):
+        sentence = match.group().strip()
+        if len(sentence.split()) < min_words or match.start() == 0 or match.end() == len(chunk_text):
+            continue
+        for span in _CLOZE_SPAN.finditer(sentence):
+            if span.start() > 0:
+                candidates.append((sentence, span))
+    if not candidates:
+        return recall_message(RECALL_TEMPLATES[0], chunk_text, rng)
+    sentence, span = rng.choice(candidates)
+    blanked = " ".join((sentence[: span.start()] + "____" + sentence[span.end() :]).split())
+    return template.format(sentence=blanked), span.group()
 
 
 # For init="text": KV of text unrelated to any corpus.

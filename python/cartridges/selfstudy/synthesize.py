@@ -1,26 +1,30 @@
 """Self-study synthesis: "A" writes a user message about a chunk, "B" answers it with the
-chunk in context; B's top-k log-probabilities per answer token are the teacher's targets.
+window around the chunk in context (the whole corpus when it fits); B's top-k
+log-probabilities per answer token are the teacher's targets.
 
-Conversations of one batch share their chunk: the tokens their prompts have in common (the
-system prompt holding the chunk) are run once into a KV prefix that every row reuses, for
-A's generation and B's alike. Both run on the model's serving engine as background requests
-(interactive chat goes first); B's top-k log-probabilities come with its tokens.
+Conversations of one batch share their chunk and window (`chunking.plan_views`): the system
+prompt holding the chunk is run once per batch into a KV prefix that A's rows reuse, and the
+one holding the window once per window, for every batch that reads it. Both run on the
+model's serving engine as background requests (interactive chat goes first); B's top-k
+log-probabilities come with its tokens.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 import cartridges_core
 
 from ..cartridge import core_model
-from .chunking import Corpus
+from .chunking import BatchView, Corpus, Span, plan_views, random_view
 from .config import TrainConfig
-from .prompts import SYSTEM_PROMPT, draw_seed_prompts
+from .prompts import SEED_PROMPTS, SYSTEM_PROMPT, WRITTEN_HERE, draw_seed_prompts, written_message
 
 # Template tokens around the chunk and the messages, beyond what the config's limits count.
 _TEMPLATE_MARGIN = 32
@@ -29,11 +33,12 @@ _TEMPLATE_MARGIN = 32
 @dataclass
 class Conversation:
     kind: str  # seed prompt kind
-    chunk: str  # the corpus window both A and B had in context (one string shared by its batch)
-    question: str  # A's message, the user turn
-    answer: list[int]  # B's tokens, its stop token included when it stopped
+    chunk: str  # the corpus chunk A had in context (one string shared by its batch)
+    question: str  # A's message (or the recall message), the user turn
+    answer: list[int]  # B's tokens, its stop token included when it stopped, cut where it loops
     topk_ids: torch.Tensor  # [len(answer), K] int64: the teacher's most likely tokens per answer token
     topk_logprobs: torch.Tensor  # [len(answer), K] float32: their log-probabilities
+    window: str = ""  # the corpus window B had in context (it holds the chunk)
 
 
 def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
@@ -69,69 +74,188 @@ class Synthesizer:
         self.config = config
         self.stop = list(self.tok.eos_token_ids)
         context = self.core.config.max_position_embeddings
-        # B's prompt holds the chunk and A's message, then B answers: the chunk gets the rest.
+        # B's prompt holds the window and A's message, then B answers: the window gets the rest
+        # (and the chunk, which B sees too, no more).
         overhead = len(self.prompt("", "x")) + _TEMPLATE_MARGIN
-        self.chunk_budget = context - overhead - config.max_question_tokens - config.max_answer_tokens
-        if self.chunk_budget < 1:
+        budget = context - overhead - config.max_question_tokens - config.max_answer_tokens
+        if budget < 1:
             raise ValueError(
                 f"the model's context ({context}) leaves no room for a chunk with "
                 f"max_question_tokens={config.max_question_tokens} and max_answer_tokens={config.max_answer_tokens}"
             )
+        self.chunk_tokens = min(config.chunk_tokens, budget)
+        self.window_tokens = min(max(config.teacher_tokens, self.chunk_tokens), budget)
+        if config.teacher_tokens == 0:
+            self.window_tokens = self.chunk_tokens
+        self._window_kv: tuple[Span, cartridges_core.KVPrefix, int] | None = None
 
-    def prompt(self, chunk_text: str, user: str) -> list[int]:
+    def prompt(self, document: str, user: str) -> list[int]:
         messages = [
-            {"role": "system", "content": SYSTEM_PROMPT.format(chunk=chunk_text)},
+            {"role": "system", "content": SYSTEM_PROMPT.format(chunk=document)},
             {"role": "user", "content": user},
         ]
         return list(self.tok.encode_chat(messages, add_generation_prompt=True))
 
-    def _generate(self, prompts, prefix, seeds: list[int], sampling: dict, logprobs: int = 0):
-        """Generate on the model's engine (as background work), with the longest shared part
-        of the prompts taken from `prefix` (the KV of tokens every prompt starts with)."""
+    def plan(self, corpus: Corpus, num_batches: int) -> list[BatchView]:
+        """The views of the training batches, in order (deterministic in the seed)."""
+        rng = random.Random(f"selfstudy-plan:{self.config.seed}")
+        return plan_views(len(corpus), num_batches, self.chunk_tokens, self.window_tokens, rng)
+
+    def random_view(self, corpus: Corpus, rng: random.Random) -> BatchView:
+        return random_view(len(corpus), self.chunk_tokens, self.window_tokens, rng)
+
+    def _system_kv(self, document: str) -> tuple[cartridges_core.KVPrefix, int]:
+        """The KV of the prompt part that holds `document` (the same for every user message)."""
+        probes = [self.prompt(document, "A"), self.prompt(document, "B")]
+        shared = common_prefix_len(probes)
+        return self.core.prefix_from_tokens(torch.tensor(probes[0][:shared], dtype=torch.long)), shared
+
+    def window_kv(self, corpus: Corpus, window: Span) -> tuple[str, cartridges_core.KVPrefix, int]:
+        """The window's text and KV, computed once for consecutive batches of one window."""
+        text = self.tok.decode(corpus.tokens[window.start : window.end])
+        if self._window_kv is None or self._window_kv[0] != window:
+            self._window_kv = (window, *self._system_kv(text))
+        return text, self._window_kv[1], self._window_kv[2]
+
+    def _submit(self, prompts, prefix, seeds: list[int], sampling: dict, logprobs: int = 0) -> list:
+        """Queue generations on the model's engine (as background work), with the longest shared
+        part of the prompts taken from `prefix` (the KV of tokens every prompt starts with)."""
         kv, available = prefix
         shared = min(common_prefix_len(prompts), available, min(len(p) for p in prompts) - 1)
         prefixes = [slice_prefix(kv, shared)] if shared > 0 else []
-        streams = self.engine.submit_many(
+        return self.engine.submit_many(
             [p[shared:] for p in prompts], prefixes=[prefixes] * len(prompts), seeds=seeds,
             stop_token_ids=self.stop, logprobs=logprobs, priority="background", **sampling,
         )
+
+    @staticmethod
+    def _results(streams: list) -> list:
         try:
             return [s.result() for s in streams]
         finally:
             for stream in streams:
                 stream.close()
 
-    def batch(self, corpus: Corpus, rng: random.Random, n: int) -> list[Conversation]:
-        cfg = self.config
-        chunk = corpus.chunk(rng, min(cfg.chunk_min_tokens, self.chunk_budget), min(cfg.chunk_max_tokens, self.chunk_budget))
-        chunk_text = self.tok.decode(chunk)
-        seeds = draw_seed_prompts(rng, n)
-        a_prompts = [self.prompt(chunk_text, text) for _, text in seeds]
-        # The chunk's KV, computed once for the whole batch.
-        shared = min(common_prefix_len(a_prompts), min(len(p) for p in a_prompts) - 1)
-        kv = self.core.prefix_from_tokens(torch.tensor(a_prompts[0][:shared], dtype=torch.long))
-        a_seeds = [rng.getrandbits(31) for _ in range(n)]
-        a_params = dict(temperature=cfg.question_temperature, max_new_tokens=cfg.max_question_tokens)
-        a_results = self._generate(a_prompts, (kv, shared), a_seeds, a_params)
-        questions = []
-        for (_, seed_text), result in zip(seeds, a_results):
-            text = self.tok.decode([t for t in result.tokens if t not in self.stop]).strip()
-            questions.append(text or seed_text)
+    def _score(self, prompts, answers, prefix) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The teacher's top-k at each token of given answers (one forward of the batch, with
+        the longest shared part of the prompts taken from `prefix`, as in `_generate`)."""
+        kv, available = prefix
+        shared = min(common_prefix_len(prompts), available, min(len(p) for p in prompts) - 1)
+        prefixes = [[slice_prefix(kv, shared)] if shared > 0 else [] for _ in prompts]
+        tokens, lengths = _pad([(p + a)[shared:] for p, a in zip(prompts, answers)])
+        out = []
+        with torch.no_grad():
+            hidden = self.core.forward_hidden(tokens, num_new=lengths, prefixes=prefixes)
+            for row, (p, a) in enumerate(zip(prompts, answers)):
+                start = len(p) - shared - 1  # the position that predicts the answer's first token
+                logprobs = torch.log_softmax(self.core.logits(hidden[row, start : start + len(a)]).float(), -1)
+                values, ids = logprobs.topk(self.config.top_k, -1)
+                out.append((ids.cpu().contiguous(), values.cpu().contiguous()))
+        return out
 
-        b_prompts = [self.prompt(chunk_text, q) for q in questions]
+    def batch(self, corpus: Corpus, view: BatchView, rng: random.Random, n: int) -> list[Conversation]:
+        """`n` conversations: A writes messages about the view's chunk and B answers them with
+        the view's window in context; recall messages and their answers (the chunk's text) are
+        taken from the chunk, and B scores the answers."""
+        return self.collect(self.answer(self.ask(corpus, view, rng, n)))
+
+    # A batch in three steps. One batch at a time: the engine's results depend (in the last
+    # bits) on which rows share a step, so overlapping batches would make synthesis depend on
+    # thread timing, and the same seed would no longer give the same cartridge.
+
+    def ask(self, corpus: Corpus, view: BatchView, rng: random.Random, n: int) -> _Batch:
+        """Draw the batch's seed prompts and recall messages; queue A's generations."""
+        cfg = self.config
+        chunk_text = self.tok.decode(corpus.tokens[view.chunk.start : view.chunk.end])
+        seeds = draw_seed_prompts(rng, n, cfg.written_fraction)
+        a_seeds = [rng.getrandbits(31) for _ in range(n)]
+        questions, recalled = [""] * n, {}
+        for i, (kind, text) in enumerate(seeds):
+            if kind in WRITTEN_HERE:
+                questions[i], answer = written_message(kind, text, chunk_text, rng)
+                recalled[i] = self.tok.encode(answer)[: cfg.max_answer_tokens]
+                if not recalled[i]:  # a chunk too short to quote from: A asks a question instead
+                    del recalled[i]
+                    seeds[i] = ("question", SEED_PROMPTS["question"][0])
         b_seeds = [rng.getrandbits(31) for _ in range(n)]
-        b_params = dict(temperature=cfg.answer_temperature, max_new_tokens=cfg.max_answer_tokens)
-        # Check the B prompts really start with the tokens the chunk's KV was made from.
-        b_shared = min(shared, common_prefix_len([*b_prompts, a_prompts[0][:shared]]))
-        # The teacher's top-k come with B's answer: the log-probabilities of each answer token's
-        # distribution, taken while generating (no second forward pass).
-        b_results = self._generate(b_prompts, (kv, b_shared), b_seeds, b_params, logprobs=cfg.top_k)
-        answers = [list(r.tokens) for r in b_results]
-        topk = [_topk_tensors(r.logprobs) for r in b_results]
+        asked = [i for i in range(n) if i not in recalled]
+        window_text, window_kv, window_shared = self.window_kv(corpus, view.window)
+        a_streams = []
+        if asked:
+            a_prompts = [self.prompt(chunk_text, seeds[i][1]) for i in asked]
+            # The chunk's KV, once for the batch (the window's when A and B read the same).
+            kv, shared = (window_kv, window_shared) if view.chunk == view.window else self._system_kv(chunk_text)
+            a_params = dict(temperature=cfg.question_temperature, max_new_tokens=cfg.max_question_tokens)
+            a_streams = self._submit(a_prompts, (kv, shared), [a_seeds[i] for i in asked], a_params)
+        return _Batch(seeds, questions, recalled, asked, b_seeds, chunk_text, window_text,
+                      (window_kv, window_shared), a_streams)
+
+    def answer(self, batch: _Batch) -> _Batch:
+        """Wait for A's messages; queue B's answers (with the teacher's top-k per token, taken
+        while generating: no second forward pass)."""
+        cfg = self.config
+        for i, result in zip(batch.asked, self._results(batch.a_streams)):
+            text = self.tok.decode([t for t in result.tokens if t not in self.stop]).strip()
+            batch.questions[i] = text or batch.seeds[i][1]
+        batch.a_streams = []
+        if batch.asked:
+            b_params = dict(temperature=cfg.answer_temperature, max_new_tokens=cfg.max_answer_tokens)
+            b_prompts = [self.prompt(batch.window_text, batch.questions[i]) for i in batch.asked]
+            batch.b_streams = self._submit(b_prompts, batch.window_kv, [batch.b_seeds[i] for i in batch.asked],
+                                           b_params, logprobs=cfg.top_k)
+        return batch
+
+    def collect(self, batch: _Batch) -> list[Conversation]:
+        """Wait for B's answers (cut where they loop); score the recall answers."""
+        answers: dict[int, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
+        for i, r in zip(batch.asked, self._results(batch.b_streams)):
+            answer = list(r.tokens)
+            keep = len(answer) if answer and answer[-1] in self.stop else loop_start(answer)
+            ids, lp = _topk_tensors(r.logprobs)
+            answers[i] = (answer[:keep], ids[:keep], lp[:keep])
+        batch.b_streams = []
+        recall_rows = list(batch.recalled)
+        if recall_rows:
+            prompts = [self.prompt(batch.window_text, batch.questions[i]) for i in recall_rows]
+            scored = self._score(prompts, [batch.recalled[i] for i in recall_rows], batch.window_kv)
+            for i, (ids, lp) in zip(recall_rows, scored):
+                answers[i] = (batch.recalled[i], ids, lp)
         return [
-            Conversation(kind, chunk_text, q, a, ids, lp)
-            for (kind, _), q, a, (ids, lp) in zip(seeds, questions, answers, topk)
+            Conversation(batch.seeds[i][0], batch.chunk_text, batch.questions[i], *answers[i], batch.window_text)
+            for i in range(len(batch.seeds))
         ]
+
+
+@dataclass
+class _Batch:
+    """A batch between `Synthesizer.ask`, `answer` and `collect`."""
+
+    seeds: list[tuple[str, str]]  # (kind, seed prompt) per row
+    questions: list[str]  # the user messages (A's once it has written them)
+    recalled: dict[int, list[int]]  # recall and cloze rows: their answer, taken from the chunk
+    asked: list[int]  # rows whose message A writes and whose answer B generates
+    b_seeds: list[int]
+    chunk_text: str
+    window_text: str
+    window_kv: tuple[Any, int]  # the window's KV and how many prompt tokens it covers
+    a_streams: list
+    b_streams: list = field(default_factory=list)
+
+
+
+def loop_start(tokens: Sequence[int], max_period: int = 32, min_run: int = 12) -> int:
+    """Where an answer that ends in a loop starts repeating itself (the end of the loop's first
+    turn), or len(tokens) when it does not: the longest periodic tail, of period at most
+    `max_period`, repeating for at least `min_run` tokens and two whole periods."""
+    n = len(tokens)
+    best = n
+    for period in range(1, max_period + 1):
+        i = n
+        while i - 1 - period >= 0 and tokens[i - 1] == tokens[i - 1 - period]:
+            i -= 1
+        if n - i >= max(min_run, 2 * period):
+            best = min(best, i)
+    return best
 
 
 def _topk_tensors(logprobs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,28 +287,33 @@ def synthesize(
     on_batch: Callable[[list[Conversation]], object] | None = None,
     held_out: int = 0,
 ) -> list[Conversation]:
-    """`config.num_samples` conversations about random chunks of `corpus`, deterministic in
-    `config.seed`, followed by `held_out` more drawn from their own random stream
-    (`held_out_rng`): the first `num_samples` are the same whatever `held_out` is.
-    `on_progress(done, total)` is called after each batch, total counting both.
+    """`config.num_samples` conversations (scaled to the corpus when None) about chunks that
+    cover `corpus` evenly, deterministic in `config.seed`, followed by `held_out` more about
+    random chunks, drawn from their own random stream (`held_out_rng`): the first
+    `num_samples` are the same whatever `held_out` is. `on_progress(done, total)` is called
+    after each batch, total counting both.
 
     Resuming: `done` holds the conversations of the batches already made (as `on_batch` last
     saw them); synthesis continues with the next batch. `on_batch(conversations so far)` runs
     after each batch: the place to checkpoint, or to stop by raising."""
+    config = config.for_corpus(len(corpus))
     synth = Synthesizer(model, config)
+    bs = config.synthesis_batch_size
+    # Every batch's random stream and view, training batches then held-out ones.
+    plan = synth.plan(corpus, math.ceil(config.num_samples / bs))
+    specs = [(view, batch_rng(config.seed, b), min(bs, config.num_samples - b * bs)) for b, view in enumerate(plan)]
+    for h in range(math.ceil(held_out / bs)):
+        rng = held_out_rng(config.seed, h)
+        specs.append((synth.random_view(corpus, rng), rng, min(bs, held_out - h * bs)))
     out: list[Conversation] = list(done)
     total = config.num_samples + held_out
-    bs = config.synthesis_batch_size
-    while len(out) < total:
-        if len(out) < config.num_samples:
-            n = min(bs, config.num_samples - len(out))
-            # Only the last training batch is short, so the count done gives the batch index.
-            rng = batch_rng(config.seed, len(out) // bs)
-        else:
-            made = len(out) - config.num_samples
-            n = min(bs, held_out - made)
-            rng = held_out_rng(config.seed, made // bs)
-        out.extend(synth.batch(corpus, rng, n))
+    # Resuming: skip the batches done (a checkpoint holds whole batches).
+    first, made = 0, 0
+    while first < len(specs) and made + specs[first][2] <= len(out):
+        made += specs[first][2]
+        first += 1
+    for view, rng, n in specs[first:]:
+        out.extend(synth.batch(corpus, view, rng, n))
         if on_progress is not None:
             on_progress(len(out), total)
         if on_batch is not None:  # after on_progress, so that a cancel asked there stops here

@@ -1,0 +1,124 @@
+"""What each synthesis batch reads: chunks that cover the corpus, windows that hold them, and
+defaults that scale with the corpus. No model needed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cartridges.selfstudy import TrainConfig
+from cartridges.selfstudy.chunking import even_spans, plan_views, random_view
+from cartridges.selfstudy.config import default_num_samples
+from cartridges.selfstudy.prompts import CLOZE_TEMPLATES, RECALL_TEMPLATES, cloze_message, recall_message
+from cartridges.selfstudy.synthesize import loop_start
+
+
+def covered(spans, total: int) -> bool:
+    seen = [False] * total
+    for s in spans:
+        seen[s.start : s.end] = [True] * len(s)
+    return all(seen)
+
+
+@pytest.mark.parametrize("total,length,count", [(10, 3, None), (100, 7, 20), (5, 9, None), (4096, 512, 9)])
+def test_even_spans_cover_and_are_evenly_spaced(total, length, count):
+    spans = even_spans(0, total, length, count)
+    assert covered(spans, total)
+    assert spans[0].start == 0 and spans[-1].end == total
+    assert all(len(s) == min(length, total) for s in spans)
+    starts = [s.start for s in spans]
+    gaps = {b - a for a, b in zip(starts, starts[1:])}
+    assert max(gaps, default=0) - min(gaps, default=0) <= 1
+
+
+@pytest.mark.parametrize("corpus", [300, 2_500, 2_954, 100_000])
+def test_the_default_plan_covers_every_part_of_the_corpus(corpus):
+    config = TrainConfig().for_corpus(corpus)
+    batches = -(-config.num_samples // config.synthesis_batch_size)
+    views = plan_views(corpus, batches, config.chunk_tokens, config.teacher_tokens, random.Random(0))
+    assert len(views) == batches
+    assert covered([v.chunk for v in views], corpus)
+    for v in views:
+        assert v.window.start <= v.chunk.start and v.chunk.end <= v.window.end  # B sees A's chunk
+        assert len(v.chunk) <= config.chunk_tokens and len(v.window) <= config.teacher_tokens
+    # Batches of one window come together (its KV is computed once per round).
+    windows = [v.window for v in views]
+    changes = sum(a != b for a, b in zip(windows, windows[1:]))
+    rounds = -(-batches // len({(v.chunk.start, v.chunk.end) for v in views}))
+    assert changes <= len(set(windows)) * (rounds + 1)
+
+
+def test_too_few_batches_get_longer_chunks_that_still_cover():
+    views = plan_views(10_000, 4, 512, 4096, random.Random(1))
+    assert covered([v.chunk for v in views], 10_000)
+    assert all(len(v.chunk) > 512 for v in views)
+
+
+def test_a_corpus_that_fits_is_one_window_the_teacher_reads_whole():
+    views = plan_views(2_000, 30, 512, 4096, random.Random(2))
+    assert {(v.window.start, v.window.end) for v in views} == {(0, 2_000)}
+    # Later rounds shift the chunk boundaries, so that no fact always sits on one.
+    assert len({v.chunk for v in views}) > -(-2_000 // 512)
+
+
+def test_plan_is_deterministic_in_the_seed():
+    a = plan_views(5_000, 40, 512, 1024, random.Random(3))
+    assert a == plan_views(5_000, 40, 512, 1024, random.Random(3))
+    assert a != plan_views(5_000, 40, 512, 1024, random.Random(4))
+    view = random_view(5_000, 512, 1024, random.Random(5))
+    assert view.window.start <= view.chunk.start and view.chunk.end <= view.window.end
+
+
+def test_default_number_of_conversations_scales_with_the_corpus():
+    assert default_num_samples(100) == 128  # at least a few batches, even for a paragraph
+    assert default_num_samples(2_500) == 256
+    assert default_num_samples(10_000) == 1_008
+    assert default_num_samples(100_000) == 8_192  # bounded: about 16 per 512-token chunk
+    sizes = [default_num_samples(n) for n in range(0, 200_000, 997)]
+    assert sizes == sorted(sizes) and all(s % 16 == 0 for s in sizes)
+    config = TrainConfig()
+    assert config.num_samples is None and config.quality_samples is None
+    fitted = config.for_corpus(2_500)
+    assert fitted.num_samples == 256 and fitted.quality_samples == 16
+    assert TrainConfig(num_samples=64).for_corpus(100_000).num_samples == 64  # a choice is kept
+    with pytest.raises(ValueError, match="num_samples"):
+        TrainConfig(num_samples=0)
+
+
+def test_loop_start_cuts_a_looping_tail_only():
+    text = [5, 6, 7, 8, 9]
+    assert loop_start(text) == len(text)
+    loop = [1, 2, 3] + [4, 5] * 10
+    assert loop_start(loop) == 5  # the first "4, 5" is kept
+    assert loop_start([7] * 30) == 1
+    # A repeat too short to be a loop (a table row, a phrase said twice) is left alone.
+    assert loop_start([1, 2, 3, 4, 1, 2, 3, 4]) == 8
+
+
+def test_recall_message_quotes_a_sentence_start_and_answers_with_what_follows():
+    chunk = ("The council meets on the first Monday of every month in the long hall. "
+             "Members who miss three meetings in a row lose their vote for one year, unless the "
+             "chair excuses them in writing before the meeting.")
+    for seed in range(5):
+        message, answer = recall_message(RECALL_TEMPLATES[0], chunk, random.Random(seed))
+        cue = message.split('"')[1]
+        assert chunk.index(cue) in (0, chunk.index("Members"))
+        assert chunk.endswith(answer) and chunk.index(cue) + len(cue) < chunk.index(answer)
+        assert len(answer.split()) >= 12
+
+
+def test_cloze_message_blanks_a_number_or_name_of_a_whole_sentence():
+    chunk = ("cut off at the start. The furnace Old Ember works at 1,150 °C and is relined every "
+             "4.5 years by the firm of Harrow Brothers. The end is cut")
+    seen = set()
+    for seed in range(20):
+        message, answer = cloze_message(CLOZE_TEMPLATES[0], chunk, random.Random(seed))
+        sentence = message.split('"')[1]
+        assert "____" in sentence and sentence.replace("____", answer) in chunk
+        seen.add(answer)
+    assert seen <= {"1,150 °C", "4.5", "Old Ember", "Harrow Brothers"} and len(seen) > 1
+    # No sentence to blank: a recall message instead.
+    message, answer = cloze_message(CLOZE_TEMPLATES[0], "just some lowercase words without any facts at all "
+                                    "in them, said twice over and over here", random.Random(0))
+    assert "____" not in message and answer
