@@ -42,13 +42,15 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import cartridges
+import cartridges_core
+from cartridges.jobs.config import field_types
 from cartridges.cartridge import Cartridge
 from cartridges.selfstudy import Corpus, TrainConfig
 from cartridges.selfstudy.prompts import SYSTEM_PROMPT
@@ -62,9 +64,12 @@ KINDS = ("literal", "paraphrase", "indirect", "yes_no", "computed")
 CONDITIONS = ("none", "in_context", "truncated", "init", "cartridge")
 
 # --quick: enough to run every stage end to end in a few minutes on one core, not to learn.
-QUICK_CONFIG = dict(num_samples=16, synthesis_batch_size=8, chunk_min_tokens=256, chunk_max_tokens=768,
+QUICK_CONFIG = dict(num_samples=16, synthesis_batch_size=8, chunk_tokens=256,
                     max_question_tokens=32, max_answer_tokens=48, epochs=1, batch_size=4)
 QUICK_QUESTIONS = 10
+# TrainConfig fields that change training but not synthesis.
+TRAINING_ONLY_FIELDS = {"lr", "epochs", "batch_size", "grad_accum", "cosine", "checkpoint_every", "companion_every",
+                        "num_frozen", "init", "num_tokens"}
 
 
 # -- documents ------------------------------------------------------------------------------
@@ -281,9 +286,32 @@ def get_cartridge(model, doc: Document, config: TrainConfig, directory: Path) ->
     if path.exists() and stats_path.exists():
         print(f"[{doc.name}] cartridge from {path}", file=sys.stderr)
         return Cartridge.load(path, model), {**json.loads(stats_path.read_text()), "cached": True}
-    print(f"[{doc.name}] training ({config.num_samples} conversations)", file=sys.stderr)
+    conversations = config.for_corpus(len(model.tokenizer.encode(doc.text))).num_samples
     checkpoint = base.with_suffix(".ckpt")
-    cart = cartridges.train(model, [doc.text], config, progress=True, checkpoint=checkpoint, resume=True)
+    # Synthesized data is kept apart, under a key of what synthesis depends on: settings that
+    # change training only (lr, epochs, ...) reuse it.
+    synthesis = {k: v for k, v in config.to_dict().items() if k not in TRAINING_ONLY_FIELDS}
+    data_key = hashlib.sha256(json.dumps([model.fingerprint, doc.text, synthesis], sort_keys=True).encode()).hexdigest()[:12]
+    data_path = directory / f"{doc.name}-data-{data_key}.pt"
+    data = held_out = None
+    if data_path.exists():
+        saved = torch.load(data_path, weights_only=True)
+        data = cartridges_core.TrainingData(**saved["data"])
+        held_out = cartridges_core.TrainingData(**saved["held_out"]) if saved["held_out"] else None
+        print(f"[{doc.name}] training on the synthesized data of {data_path}", file=sys.stderr)
+    else:
+        print(f"[{doc.name}] synthesis ({conversations} conversations) and training", file=sys.stderr)
+    cart = cartridges.train(model, [doc.text], config, progress=True, checkpoint=checkpoint, resume=True,
+                            data=data, held_out=held_out)
+    if data is None:
+        def fields_of(d):
+            return {n: getattr(d, n) for n in ("tokens", "lengths", "target_mask", "topk_ids", "topk_logprobs")}
+
+        held = cart.stats["held_out"]
+        torch.save({"data": fields_of(cart.stats["data"]), "held_out": fields_of(held) if held is not None else None,
+                    "synthesis_s": cart.stats["synthesis_s"]}, data_path)
+    else:
+        cart.stats["synthesis_s"] = torch.load(data_path, weights_only=True).get("synthesis_s")
     cart.save(path)
     stats = {k: v for k, v in cart.stats.items() if k not in ("data", "held_out")}  # tensors
     losses = stats.pop("losses")
@@ -293,6 +321,24 @@ def get_cartridge(model, doc: Document, config: TrainConfig, directory: Path) ->
     for leftover in directory.glob(f"{base.name}.ckpt*"):  # training is done: its checkpoints go
         leftover.unlink()
     return cart, stats
+
+
+def baseline_cached(model, doc: Document, questions: list[Question], config: TrainConfig, name: str, args,
+                    run) -> dict:
+    """`run()`, the figures of condition `name`, kept in --cartridge-dir for the conditions that
+    do not depend on training (all but "cartridge"): they depend on the model, the document,
+    the questions, the cartridge's size and initialization, and the reply length only."""
+    if name == "cartridge":
+        return run()
+    blob = json.dumps([model.fingerprint, doc.text, [q.__dict__ for q in questions], name, config.num_tokens,
+                       config.num_frozen, config.init, args.max_reply], sort_keys=True).encode()
+    path = args.cartridge_dir / f"{doc.name}-{name}-{hashlib.sha256(blob).hexdigest()[:12]}.json"
+    if path.exists():
+        return {**json.loads(path.read_text()), "cached": True}
+    result = run()
+    args.cartridge_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result))
+    return result
 
 
 def init_cartridge(model, doc: Document, config: TrainConfig) -> Cartridge:
@@ -320,7 +366,8 @@ def evaluate_document(model, doc: Document, config: TrainConfig, args, split: st
         conditions["cartridge"] = Condition(prefixes=(cart.prefix(model),))
     results = {}
     for name, cond in conditions.items():
-        results[name] = evaluate(model, questions, cond, args.max_reply)
+        results[name] = baseline_cached(model, doc, questions, config, name, args,
+                                        lambda cond=cond: evaluate(model, questions, cond, args.max_reply))
         memo[(doc.name, name)] = results[name]
         r = results[name]
         print(f"[{doc.name}] {name:10s} loglik/token {r['loglik_per_token']:7.3f}  match {r['match']:.3f}  "
@@ -436,16 +483,19 @@ def check_docs(model, names: list[str]) -> int:
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    types = {f.name: type(getattr(TrainConfig(), f.name)) for f in fields(TrainConfig)}
+    types = field_types()
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in types:
             raise SystemExit(f"--set takes FIELD=VALUE with a TrainConfig field ({', '.join(types)}); got {item!r}")
-        if types[key] is bool:
+        kind, nullable = types[key]
+        if nullable and value.lower() in ("none", "null"):
+            out[key] = None
+        elif kind is bool:
             out[key] = value.lower() in ("1", "true", "yes", "on")
         else:
-            out[key] = types[key](value)
+            out[key] = kind(value)
     return out
 
 
