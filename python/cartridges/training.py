@@ -39,6 +39,13 @@ def init_params(model: Any, corpus: Corpus, config: TrainConfig) -> cartridges_c
     return cartridges_core.CartridgeParams(prefix, config.num_frozen)
 
 
+def companion_fits(core: Any, config: TrainConfig, params: cartridges_core.CartridgeParams) -> bool:
+    """Whether conversations are trained behind a companion (config.companion_every): only when
+    the two prefixes take at most half the model's context, leaving the rest to conversations
+    (a cartridge that long is not meant to be composed)."""
+    return bool(config.companion_every) and 4 * params.num_tokens <= core.config.max_position_embeddings
+
+
 class TrainingCancelled(Exception):
     """train() was cancelled during synthesis, before any training: there is no cartridge."""
 
@@ -92,6 +99,10 @@ def prepare_datasets(
         conversations = synthesize(model, corpus, config, report, done=done, on_batch=after_batch,
                                    held_out=config.quality_samples or 0)
         train_part, held_part = conversations[: config.num_samples], conversations[config.num_samples :]
+        # Held out means never trained on: a written conversation (recall, cloze) can come out
+        # the same as a training one when both quote the same sentence; such ones are dropped.
+        seen = {(c.question, tuple(c.answer)) for c in train_part}
+        held_part = [c for c in held_part if (c.question, tuple(c.answer)) not in seen]
         held_out = None
         if held_part:
             try:
@@ -191,7 +202,7 @@ def train(
             held_out = cartridges_core.TrainingData(**held) if held is not None else None
         elif data is None:
             # Conversations trained behind the companion have both prefixes in front.
-            prefix_tokens = params.num_tokens * (2 if config.companion_every else 1)
+            prefix_tokens = params.num_tokens * (2 if companion_fits(core, config, params) else 1)
             data, held_out = prepare_datasets(model, corpus, config, prefix_tokens, bar.update,
                                               synthesis_checkpoint=synthesis_path, resume=resume, cancel=cancel)
         if data_path is not None and not (resume and data_path.exists()):
@@ -212,7 +223,7 @@ def train(
         options.grad_accum = config.grad_accum
         options.cosine = config.cosine
         options.seed = config.seed
-        if config.companion_every:
+        if companion_fits(core, config, params):
             # The stand-in for another cartridge in front: KV of unrelated text, as long as this one.
             companion = unrelated_tokens(model, params.num_tokens)
             options.companion = core.prefix_from_tokens(torch.tensor(companion, dtype=torch.long))

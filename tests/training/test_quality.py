@@ -56,7 +56,8 @@ def test_default_quality_samples():
 def test_trained_cartridge_beats_its_initialization_on_held_out_conversations(model, config, trained):
     report = trained.stats["quality"]
     held_out = trained.stats["held_out"]
-    assert report["held_out_conversations"] == config.quality_samples == held_out.tokens.shape[0] == 8
+    # quality_samples were made; any that came out the same as a training one was dropped.
+    assert 0 < report["held_out_conversations"] == held_out.tokens.shape[0] <= config.quality_samples == 8
     assert report["held_out_tokens"] == held_out.topk_ids.shape[0] > 0
     json.dumps(report)  # JSON-serializable as it is
 
@@ -154,7 +155,7 @@ def test_report_survives_a_resumed_run(model, tmp_path):
     resumed = train(model, [TEXT], config, progress=False, checkpoint=ckpt, resume=True)
     assert resumed == full
     assert resumed.quality == pytest.approx(full.quality)
-    assert resumed.quality["held_out_conversations"] == 4
+    assert resumed.quality["held_out_conversations"] == full.quality["held_out_conversations"] > 0
 
 
 def test_train_command_prints_the_report(model, tmp_path, monkeypatch, capsys):

@@ -86,7 +86,8 @@ class TrainConfig:
     companion_every: int = 3
     """Composition: every companion_every-th conversation is trained with a stand-in for another
     cartridge in front (the KV of unrelated text, as long as this cartridge), as it would be
-    when composed with another, so that it keeps working then. 0: never."""
+    when composed with another, so that it keeps working then. Left out when the two would take
+    more than half the model's context. 0: never."""
     checkpoint_every: int = 0
     """Optimizer steps between checkpoints when train() gets a checkpoint path (0: only at the end)."""
     seed: int = 0
