@@ -14,8 +14,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -87,7 +86,7 @@ class Synthesizer:
         self.window_tokens = min(max(config.teacher_tokens, self.chunk_tokens), budget)
         if config.teacher_tokens == 0:
             self.window_tokens = self.chunk_tokens
-        self._window_kv: tuple[Span, cartridges_core.KVPrefix, int] | None = None
+        self._window_kv: tuple[Span, str, cartridges_core.KVPrefix, int] | None = None
 
     def prompt(self, document: str, user: str) -> list[int]:
         messages = [
@@ -112,24 +111,29 @@ class Synthesizer:
 
     def window_kv(self, corpus: Corpus, window: Span) -> tuple[str, cartridges_core.KVPrefix, int]:
         """The window's text and KV, computed once for consecutive batches of one window."""
-        text = self.tok.decode(corpus.tokens[window.start : window.end])
         if self._window_kv is None or self._window_kv[0] != window:
-            self._window_kv = (window, *self._system_kv(text))
-        return text, self._window_kv[1], self._window_kv[2]
+            text = self.tok.decode(corpus.tokens[window.start : window.end])
+            self._window_kv = (window, text, *self._system_kv(text))
+        return self._window_kv[1:]
 
-    def _submit(self, prompts, prefix, seeds: list[int], sampling: dict, logprobs: int = 0) -> list:
-        """Queue generations on the model's engine (as background work), with the longest shared
-        part of the prompts taken from `prefix` (the KV of tokens every prompt starts with)."""
+    @staticmethod
+    def _shared(prompts, prefix) -> tuple[int, list]:
+        """How many leading tokens of `prompts` come from `prefix` = (KV of tokens every prompt
+        starts with, how many it covers), and the prefix list that holds them."""
         kv, available = prefix
         shared = min(common_prefix_len(prompts), available, min(len(p) for p in prompts) - 1)
-        prefixes = [slice_prefix(kv, shared)] if shared > 0 else []
-        return self.engine.submit_many(
+        return shared, [slice_prefix(kv, shared)] if shared > 0 else []
+
+    def _generate(self, prompts, prefix, seeds: list[int], sampling: dict, logprobs: int = 0) -> list:
+        """Generate on the model's engine (as background work), the shared part of the prompts
+        taken from `prefix`. One batch at a time: the engine's results depend (in the last bits)
+        on which rows share a step, so overlapping batches would make synthesis depend on thread
+        timing, and the same seed would no longer give the same cartridge."""
+        shared, prefixes = self._shared(prompts, prefix)
+        streams = self.engine.submit_many(
             [p[shared:] for p in prompts], prefixes=[prefixes] * len(prompts), seeds=seeds,
             stop_token_ids=self.stop, logprobs=logprobs, priority="background", **sampling,
         )
-
-    @staticmethod
-    def _results(streams: list) -> list:
         try:
             return [s.result() for s in streams]
         finally:
@@ -137,15 +141,13 @@ class Synthesizer:
                 stream.close()
 
     def _score(self, prompts, answers, prefix) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The teacher's top-k at each token of given answers (one forward of the batch, with
-        the longest shared part of the prompts taken from `prefix`, as in `_generate`)."""
-        kv, available = prefix
-        shared = min(common_prefix_len(prompts), available, min(len(p) for p in prompts) - 1)
-        prefixes = [[slice_prefix(kv, shared)] if shared > 0 else [] for _ in prompts]
+        """The teacher's top-k at each token of given answers (one forward of the batch, the
+        shared part of the prompts taken from `prefix`, as in `_generate`)."""
+        shared, prefixes = self._shared(prompts, prefix)
         tokens, lengths = _pad([(p + a)[shared:] for p, a in zip(prompts, answers)])
         out = []
         with torch.no_grad():
-            hidden = self.core.forward_hidden(tokens, num_new=lengths, prefixes=prefixes)
+            hidden = self.core.forward_hidden(tokens, num_new=lengths, prefixes=[prefixes] * len(prompts))
             for row, (p, a) in enumerate(zip(prompts, answers)):
                 start = len(p) - shared - 1  # the position that predicts the answer's first token
                 logprobs = torch.log_softmax(self.core.logits(hidden[row, start : start + len(a)]).float(), -1)
@@ -154,93 +156,51 @@ class Synthesizer:
         return out
 
     def batch(self, corpus: Corpus, view: BatchView, rng: random.Random, n: int) -> list[Conversation]:
-        """`n` conversations: A writes messages about the view's chunk and B answers them with
-        the view's window in context; recall messages and their answers (the chunk's text) are
-        taken from the chunk, and B scores the answers."""
-        return self.collect(self.answer(self.ask(corpus, view, rng, n)))
-
-    # A batch in three steps. One batch at a time: the engine's results depend (in the last
-    # bits) on which rows share a step, so overlapping batches would make synthesis depend on
-    # thread timing, and the same seed would no longer give the same cartridge.
-
-    def ask(self, corpus: Corpus, view: BatchView, rng: random.Random, n: int) -> _Batch:
-        """Draw the batch's seed prompts and recall messages; queue A's generations."""
+        """`n` conversations. Written ones (recall, cloze) take their message and answer from the
+        view's chunk, and B scores the answer; for the others A writes a message about the chunk
+        and B answers it, both with the view's window in context, its answer cut where it loops."""
         cfg = self.config
         chunk_text = self.tok.decode(corpus.tokens[view.chunk.start : view.chunk.end])
         seeds = draw_seed_prompts(rng, n, cfg.written_fraction)
         a_seeds = [rng.getrandbits(31) for _ in range(n)]
-        questions, recalled = [""] * n, {}
+        questions, written = [""] * n, {}  # written: row -> its answer, from the chunk
         for i, (kind, text) in enumerate(seeds):
             if kind in WRITTEN_HERE:
                 questions[i], answer = written_message(kind, text, chunk_text, rng)
-                recalled[i] = self.tok.encode(answer)[: cfg.max_answer_tokens]
-                if not recalled[i]:  # a chunk too short to quote from: A asks a question instead
-                    del recalled[i]
+                written[i] = self.tok.encode(answer)[: cfg.max_answer_tokens]
+                if not written[i]:  # a chunk too short to quote from: A asks a question instead
+                    del written[i]
                     seeds[i] = ("question", SEED_PROMPTS["question"][0])
         b_seeds = [rng.getrandbits(31) for _ in range(n)]
-        asked = [i for i in range(n) if i not in recalled]
+        asked = [i for i in range(n) if i not in written]
         window_text, window_kv, window_shared = self.window_kv(corpus, view.window)
-        a_streams = []
-        if asked:
-            a_prompts = [self.prompt(chunk_text, seeds[i][1]) for i in asked]
-            # The chunk's KV, once for the batch (the window's when A and B read the same).
-            kv, shared = (window_kv, window_shared) if view.chunk == view.window else self._system_kv(chunk_text)
-            a_params = dict(temperature=cfg.question_temperature, max_new_tokens=cfg.max_question_tokens)
-            a_streams = self._submit(a_prompts, (kv, shared), [a_seeds[i] for i in asked], a_params)
-        return _Batch(seeds, questions, recalled, asked, b_seeds, chunk_text, window_text,
-                      (window_kv, window_shared), a_streams)
-
-    def answer(self, batch: _Batch) -> _Batch:
-        """Wait for A's messages; queue B's answers (with the teacher's top-k per token, taken
-        while generating: no second forward pass)."""
-        cfg = self.config
-        for i, result in zip(batch.asked, self._results(batch.a_streams)):
-            text = self.tok.decode([t for t in result.tokens if t not in self.stop]).strip()
-            batch.questions[i] = text or batch.seeds[i][1]
-        batch.a_streams = []
-        if batch.asked:
-            b_params = dict(temperature=cfg.answer_temperature, max_new_tokens=cfg.max_answer_tokens)
-            b_prompts = [self.prompt(batch.window_text, batch.questions[i]) for i in batch.asked]
-            batch.b_streams = self._submit(b_prompts, batch.window_kv, [batch.b_seeds[i] for i in batch.asked],
-                                           b_params, logprobs=cfg.top_k)
-        return batch
-
-    def collect(self, batch: _Batch) -> list[Conversation]:
-        """Wait for B's answers (cut where they loop); score the recall answers."""
         answers: dict[int, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
-        for i, r in zip(batch.asked, self._results(batch.b_streams)):
-            answer = list(r.tokens)
-            keep = len(answer) if answer and answer[-1] in self.stop else loop_start(answer)
-            ids, lp = _topk_tensors(r.logprobs)
-            answers[i] = (answer[:keep], ids[:keep], lp[:keep])
-        batch.b_streams = []
-        recall_rows = list(batch.recalled)
-        if recall_rows:
-            prompts = [self.prompt(batch.window_text, batch.questions[i]) for i in recall_rows]
-            scored = self._score(prompts, [batch.recalled[i] for i in recall_rows], batch.window_kv)
-            for i, (ids, lp) in zip(recall_rows, scored):
-                answers[i] = (batch.recalled[i], ids, lp)
-        return [
-            Conversation(batch.seeds[i][0], batch.chunk_text, batch.questions[i], *answers[i], batch.window_text)
-            for i in range(len(batch.seeds))
-        ]
-
-
-@dataclass
-class _Batch:
-    """A batch between `Synthesizer.ask`, `answer` and `collect`."""
-
-    seeds: list[tuple[str, str]]  # (kind, seed prompt) per row
-    questions: list[str]  # the user messages (A's once it has written them)
-    recalled: dict[int, list[int]]  # recall and cloze rows: their answer, taken from the chunk
-    asked: list[int]  # rows whose message A writes and whose answer B generates
-    b_seeds: list[int]
-    chunk_text: str
-    window_text: str
-    window_kv: tuple[Any, int]  # the window's KV and how many prompt tokens it covers
-    a_streams: list
-    b_streams: list = field(default_factory=list)
-
+        if asked:
+            # The chunk's KV, once for the batch (the window's when A and B read the same).
+            chunk_kv = (window_kv, window_shared) if view.chunk == view.window else self._system_kv(chunk_text)
+            a_params = dict(temperature=cfg.question_temperature, max_new_tokens=cfg.max_question_tokens)
+            a_results = self._generate([self.prompt(chunk_text, seeds[i][1]) for i in asked], chunk_kv,
+                                       [a_seeds[i] for i in asked], a_params)
+            for i, result in zip(asked, a_results):
+                text = self.tok.decode([t for t in result.tokens if t not in self.stop]).strip()
+                questions[i] = text or seeds[i][1]
+            # The teacher's top-k come with B's answer, taken while generating (no second pass).
+            b_params = dict(temperature=cfg.answer_temperature, max_new_tokens=cfg.max_answer_tokens)
+            b_results = self._generate([self.prompt(window_text, questions[i]) for i in asked],
+                                       (window_kv, window_shared), [b_seeds[i] for i in asked], b_params,
+                                       logprobs=cfg.top_k)
+            for i, r in zip(asked, b_results):
+                answer = list(r.tokens)
+                keep = len(answer) if answer and answer[-1] in self.stop else loop_start(answer)
+                ids, lp = _topk_tensors(r.logprobs)
+                answers[i] = (answer[:keep], ids[:keep], lp[:keep])
+        if written:
+            rows = list(written)
+            scored = self._score([self.prompt(window_text, questions[i]) for i in rows], [written[i] for i in rows],
+                                 (window_kv, window_shared))
+            for i, (ids, lp) in zip(rows, scored):
+                answers[i] = (written[i], ids, lp)
+        return [Conversation(seeds[i][0], chunk_text, questions[i], *answers[i], window_text) for i in range(n)]
 
 
 def loop_start(tokens: Sequence[int], max_period: int = 32, min_run: int = 12) -> int:
