@@ -86,6 +86,9 @@ void bind_model(py::module_& m) {
       .def_property_readonly("config", &LlamaModel::config)
       .def_property_readonly("device", [](const LlamaModel& m) { return m.device().str(); })
       .def_property_readonly("dtype", [](const LlamaModel& m) { return dtype_name(m.dtype()); })
+      .def_property("int8_activations", &LlamaModel::int8_activations, &LlamaModel::set_int8_activations,
+                    "Decode on block-quantized CPU weights with activations rounded to 8 bits (the default, "
+                    "llama.cpp's arithmetic) or kept in float32 (transformers' results); set before generating.")
       .def("new_cache", &LlamaModel::new_cache, py::arg("batch"), py::arg("capacity"))
       .def(
           "forward",

@@ -90,6 +90,46 @@ TEST(RmsNormTest, MatchesDefinition) {
   EXPECT_TRUE(at::allclose(y, expected, 1e-5, 1e-6));
 }
 
+TEST(RmsNormTest, FusedCpuPathEqualsAtenExpression) {
+  // The inference loop against the same float32 expression through ATen (the path taken
+  // with gradients): equal up to the variance's summation order.
+  auto x = at::randn({5, 576}) * 3;
+  auto w = at::randn({576});
+  auto fused = ops::rms_norm(x, w, 1e-5);
+  auto xg = x.clone().requires_grad_(true);
+  auto aten = ops::rms_norm(xg, w, 1e-5).detach();
+  EXPECT_TRUE(at::allclose(fused, aten, 1e-6, 1e-6)) << (fused - aten).abs().max().item<float>();
+  EXPECT_FALSE(at::equal(fused, at::zeros_like(fused)));
+}
+
+TEST(RopeTest, RopeAndStoreEqualsApplyRopeAndIndexCopy) {
+  auto c = rope_config("default");
+  const int64_t tokens = 5, heads = 4, kv = 2, dim = 16, capacity = 12;
+  auto inv = ops::rope_inv_freq(c);
+  auto positions = at::tensor({0L, 1L, 7L, 30L, 2L}, at::kLong).view({1, tokens});
+  auto [cos, sin] = ops::rope_cos_sin(inv, positions, at::kFloat);  // [1, 1, N, D]
+  // q, k, v as views into one projection, as project_qkv makes them.
+  auto qkv = at::randn({tokens, (heads + 2 * kv) * dim});
+  auto q = qkv.narrow(1, 0, heads * dim).view({tokens, heads, dim});
+  auto k = qkv.narrow(1, heads * dim, kv * dim).view({tokens, kv, dim});
+  auto v = qkv.narrow(1, (heads + kv) * dim, kv * dim).view({tokens, kv, dim});
+  std::vector<int64_t> slots = {3, 4, 9, 0, 11};
+  auto slot_index = at::tensor(slots, at::kLong);
+
+  auto keys = at::zeros({capacity, kv, dim}), values = at::zeros({capacity, kv, dim});
+  auto got_q = ops::rope_and_store_cpu(q, k, v, cos, sin, slots, keys, values);
+
+  auto rotate = [&](const at::Tensor& t) {
+    return ops::apply_rope(t.transpose(0, 1).unsqueeze(0), cos, sin).squeeze(0).transpose(0, 1);
+  };
+  auto expected_keys = at::zeros({capacity, kv, dim}), expected_values = at::zeros({capacity, kv, dim});
+  expected_keys.index_copy_(0, slot_index, rotate(k).contiguous());
+  expected_values.index_copy_(0, slot_index, v.contiguous());
+  EXPECT_TRUE(at::equal(got_q, rotate(q)));
+  EXPECT_TRUE(at::equal(keys, expected_keys));
+  EXPECT_TRUE(at::equal(values, expected_values));
+}
+
 namespace {
 
 // Attention written the long way: keys = [prefix..., own], KV heads repeated, explicit mask.

@@ -40,8 +40,45 @@ TEST_P(QuantizedTest, MatchesLinearOnDequantizedWeights) {
   }
 }
 
+TEST_P(QuantizedTest, Int8ActivationsMatchLinearOnRoundedActivations) {
+  at::manual_seed(1);
+  auto w = random_matrix(GetParam(), 200, 96);
+  auto dense = dequantize(w);
+  for (int64_t rows : std::vector<int64_t>{1, 2, 7, 8, 9, 16, 20, 33, 64, 150}) {
+    auto x = at::randn({rows, 96});
+    x[0].narrow(0, 32, 32).zero_();  // an all-zero block has scale 0
+    auto got = quantized_linear(x, w, ActivationPrecision::kInt8);
+    // Integer dot products are exact: only the float scaling and summation order differ.
+    auto expected = at::linear(round_activations_int8(x), dense);
+    const double atol = 1e-6 * expected.abs().max().item<double>();
+    EXPECT_TRUE(at::allclose(got, expected, 1e-5, atol)) << "rows " << rows << ": max |diff| "
+                                                         << (got - expected).abs().max().item<float>();
+    // And the rounding costs little against float32 activations.
+    auto exact = at::linear(x, dense);
+    EXPECT_LT((got - exact).abs().max().item<double>(), 0.02 * exact.abs().max().item<double>()) << "rows " << rows;
+  }
+  EXPECT_THROW(quantized_linear(at::randn({kMaxQuantizedRows + 1, 96}), w), c10::Error);  // float32: GEMM's job
+}
+
 INSTANTIATE_TEST_SUITE_P(Formats, QuantizedTest,
                          ::testing::Values(BlockFormat::kQ4_0, BlockFormat::kQ4_1, BlockFormat::kQ8_0));
+
+TEST(QuantizedFormatTest, RoundsActivationsLikeLlamaCpp) {
+  // Per block of 32: scale = max|x| / 127, q = round half to even of x * (127 / max|x|).
+  at::manual_seed(2);
+  auto x = at::randn({3, 64}) * 3;
+  x[1].narrow(0, 0, 32).zero_();
+  x[2][5] = 127.f / 2;  // x * 127 / max = 63.5 exactly at max 127: a tie, rounded to even
+  x[2][6] = 127.f;
+  auto blocks = x.view({3, 2, 32});
+  auto top = blocks.abs().amax(-1, /*keepdim=*/true);
+  auto inverse = at::where(top != 0, 127.f / top, at::zeros_like(top));
+  auto expected = (at::round(blocks * inverse) * (top / 127.f)).view({3, 64});
+  auto got = round_activations_int8(x);
+  EXPECT_TRUE(at::equal(got, expected)) << (got - expected).abs().max().item<float>();
+  EXPECT_FLOAT_EQ(got[2][5].item<float>(), 64.f);
+  EXPECT_TRUE(at::equal(got[1].narrow(0, 0, 32), at::zeros({32})));
+}
 
 TEST(QuantizedFormatTest, DequantizesKnownBlock) {
   // One Q4_1 block: d = 0.5, m = -1, byte j holds element j (low) and j + 16 (high).

@@ -88,11 +88,12 @@ struct PackedBatch {
 };
 
 // A linear layer: float32/bf16 weights, and optionally the same weights block-quantized for
-// the CPU decode path (a handful of rows, no gradient).
+// the CPU decode path (a handful of rows, no gradient). `int8_activations` picks that path's
+// arithmetic (model/quantized.h).
 struct Linear {
   at::Tensor weight, bias;
   std::shared_ptr<const QuantizedMatrix> quantized;
-  at::Tensor operator()(const at::Tensor& x) const;
+  at::Tensor operator()(const at::Tensor& x, bool int8_activations = false) const;
 };
 
 class LlamaModel {
@@ -109,6 +110,13 @@ class LlamaModel {
   at::TensorOptions options() const { return at::TensorOptions().device(device_).dtype(dtype_); }
 
   KVCache new_cache(int64_t batch, int64_t capacity) const;
+
+  // Whether decode steps on block-quantized CPU weights round activations to 8 bits
+  // (llama.cpp's arithmetic, the default: several times faster) or keep them in float32
+  // (results equal to transformers' on the dequantized weights, up to summation order).
+  // Set it before generating; it has no effect without quantized weights.
+  bool int8_activations() const { return int8_activations_; }
+  void set_int8_activations(bool on) { int8_activations_ = on; }
 
   // Final-norm hidden states [B, S, hidden]. With a cache, the new K/V are appended to it
   // and attention covers prefixes + cache; without one, prefixes + these tokens only
@@ -145,6 +153,7 @@ class LlamaModel {
   };
   Projections project_qkv(const Layer& layer, const at::Tensor& x) const;
   at::Tensor mlp(const Layer& layer, const at::Tensor& x) const;
+  at::Tensor apply(const Linear& linear, const at::Tensor& x) const { return linear(x, int8_activations_); }
 
   LlamaConfig config_;
   at::Device device_;
@@ -153,6 +162,7 @@ class LlamaModel {
   Linear lm_head_;
   at::Tensor inv_freq_;  // [D/2] float32 RoPE frequencies
   std::vector<Layer> layers_;
+  bool int8_activations_ = true;
 };
 
 }  // namespace cartridges

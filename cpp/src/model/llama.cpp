@@ -78,10 +78,11 @@ int64_t KVPool::nbytes() const {
   return total;
 }
 
-at::Tensor Linear::operator()(const at::Tensor& x) const {
+at::Tensor Linear::operator()(const at::Tensor& x, bool int8_activations) const {
+  const auto precision = int8_activations ? ActivationPrecision::kInt8 : ActivationPrecision::kFloat32;
   if (quantized && !x.requires_grad() && x.device().is_cpu() && x.scalar_type() == at::kFloat &&
-      x.numel() / x.size(-1) <= kMaxQuantizedRows) {
-    auto y = quantized_linear(x, *quantized);
+      x.numel() / x.size(-1) <= max_quantized_rows(precision)) {
+    auto y = quantized_linear(x, *quantized, precision);
     return bias.defined() ? y + bias : y;
   }
   return at::linear(x, weight, bias);
@@ -257,7 +258,7 @@ at::Tensor LlamaModel::forward_hidden(const ForwardBatch& batch, KVCache* cache)
       values = cv.narrow(2, 0, total);
     }
     auto attn = ops::attention(q, keys, values, mask, batch.prefixes, l, shared);  // [B, H, S, D]
-    x = x + layer.o(attn.transpose(1, 2).reshape({B, S, H * D}));
+    x = x + apply(layer.o, attn.transpose(1, 2).reshape({B, S, H * D}));
 
     x = x + mlp(layer, x);
   }
@@ -270,7 +271,7 @@ at::Tensor LlamaModel::forward_hidden(const ForwardBatch& batch, KVCache* cache)
 LlamaModel::Projections LlamaModel::project_qkv(const Layer& layer, const at::Tensor& h) const {
   const auto& c = config_;
   const int64_t H = c.num_heads, Hkv = c.num_kv_heads, D = c.head_dim;
-  auto qkv = layer.qkv(h);  // [..., (H + 2 Hkv) D]
+  auto qkv = apply(layer.qkv, h);  // [..., (H + 2 Hkv) D]
   auto lead = h.sizes().vec();
   lead.pop_back();
   auto shape = [&](int64_t heads) {
@@ -291,8 +292,8 @@ LlamaModel::Projections LlamaModel::project_qkv(const Layer& layer, const at::Te
 
 at::Tensor LlamaModel::mlp(const Layer& layer, const at::Tensor& x) const {
   const int64_t I = config_.intermediate_size;
-  auto gate_up = layer.gate_up(ops::rms_norm(x, layer.post_norm, config_.rms_norm_eps));
-  return layer.down(at::silu(gate_up.narrow(-1, 0, I)) * gate_up.narrow(-1, I, I));
+  auto gate_up = apply(layer.gate_up, ops::rms_norm(x, layer.post_norm, config_.rms_norm_eps));
+  return apply(layer.down, at::silu(gate_up.narrow(-1, 0, I)) * gate_up.narrow(-1, I, I));
 }
 
 at::Tensor LlamaModel::forward_packed(const PackedBatch& batch, KVPool& pool) const {
@@ -329,17 +330,23 @@ at::Tensor LlamaModel::forward_packed(const PackedBatch& batch, KVPool& pool) co
   auto pos = at::tensor(positions, at::kLong).view({1, N}).to(device_);
   auto [cos, sin] = ops::rope_cos_sin(inv_freq_, pos, dtype_);  // [1, 1, N, D]
   auto slot_index = at::tensor(slots, at::kLong).to(device_);
+  // CPU float32 inference rotates q, k and writes k, v to the pool in one pass per layer.
+  const bool fused_cpu = device_.is_cpu() && dtype_ == at::kFloat && pool.keys[0].is_contiguous();
 
   auto x = at::embedding(embed_, batch.tokens.to(device_));  // [N, hidden]
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const Layer& layer = layers_[l];
     auto [q, k, v] = project_qkv(layer, ops::rms_norm(x, layer.input_norm, c.rms_norm_eps));  // [N, heads, D]
-    q = ops::apply_rope(q.transpose(0, 1).unsqueeze(0), cos, sin).squeeze(0).transpose(0, 1);
-    k = ops::apply_rope(k.transpose(0, 1).unsqueeze(0), cos, sin).squeeze(0).transpose(0, 1);
-    pool.keys[l].index_copy_(0, slot_index, k.contiguous());
-    pool.values[l].index_copy_(0, slot_index, v.contiguous());
+    if (fused_cpu) {
+      q = ops::rope_and_store_cpu(q, k, v, cos, sin, slots, pool.keys[l], pool.values[l]);
+    } else {
+      q = ops::apply_rope(q.transpose(0, 1).unsqueeze(0), cos, sin).squeeze(0).transpose(0, 1);
+      k = ops::apply_rope(k.transpose(0, 1).unsqueeze(0), cos, sin).squeeze(0).transpose(0, 1);
+      pool.keys[l].index_copy_(0, slot_index, k.contiguous());
+      pool.values[l].index_copy_(0, slot_index, v.contiguous());
+    }
     auto attn = ops::packed_attention(q, pool.keys[l], pool.values[l], batch, layout, l);  // [N, H, D]
-    x = x + layer.o(attn.reshape({N, -1}));
+    x = x + apply(layer.o, attn.reshape({N, -1}));
     x = x + mlp(layer, x);
   }
   if (last.empty()) return at::empty({0, c.vocab_size}, at::TensorOptions().dtype(at::kFloat).device(device_));
@@ -348,7 +355,7 @@ at::Tensor LlamaModel::forward_packed(const PackedBatch& batch, KVPool& pool) co
 }
 
 at::Tensor LlamaModel::logits(const at::Tensor& hidden) const {
-  return lm_head_(hidden).to(at::kFloat);
+  return apply(lm_head_, hidden).to(at::kFloat);
 }
 
 at::Tensor LlamaModel::forward(const ForwardBatch& batch, KVCache* cache) const {

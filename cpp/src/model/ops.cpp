@@ -1,11 +1,50 @@
 #include "model/ops.h"
 
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+
 #include <cmath>
 #include <limits>
 
 namespace cartridges::ops {
 
+namespace {
+
+// Inference on CPU float32 (nothing to differentiate): small per-token ops run as one loop
+// instead of five or six ATen ops, whose dispatch dominates a decode step's time.
+bool plain_cpu_float(const at::Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == at::kFloat &&
+         !(c10::GradMode::is_enabled() && t.requires_grad());
+}
+
+// The same arithmetic as the ATen expression below: variance in float32 (accumulated in
+// double, so it is at least as exact), then weight * (x * (1 / sqrt(variance + eps))).
+at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  const auto x = x_in.contiguous();
+  const auto weight = weight_in.contiguous();
+  auto out = at::empty_like(x);
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float epsilon = static_cast<float>(eps);
+  at::parallel_for(0, rows, /*grain_size=*/64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * n;
+      float* outr = op + r * n;
+      double squares = 0.0;
+      for (int64_t j = 0; j < n; ++j) squares += static_cast<double>(xr[j]) * xr[j];
+      const float scale = 1.f / std::sqrt(static_cast<float>(squares / static_cast<double>(n)) + epsilon);
+      for (int64_t j = 0; j < n; ++j) outr[j] = wp[j] * (xr[j] * scale);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  if (plain_cpu_float(x) && plain_cpu_float(weight) && x.numel() > 0) return rms_norm_cpu(x, weight, eps);
   const auto input_dtype = x.scalar_type();
   auto h = x.to(at::kFloat);
   auto variance = h.pow(2).mean(-1, /*keepdim=*/true);
@@ -49,6 +88,47 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   auto x2 = x.narrow(-1, half, half);
   auto rotated = at::cat({-x2, x1}, -1);
   return x * cos + rotated * sin;
+}
+
+at::Tensor rope_and_store_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                              const at::Tensor& sin, const std::vector<int64_t>& slots, at::Tensor& pool_keys,
+                              at::Tensor& pool_values) {
+  const int64_t tokens = q.size(0), heads = q.size(1), kv = k.size(1), dim = q.size(2), half = dim / 2;
+  TORCH_CHECK(plain_cpu_float(q) && plain_cpu_float(k) && plain_cpu_float(v) && pool_keys.is_contiguous() &&
+                  pool_values.is_contiguous() && static_cast<int64_t>(slots.size()) == tokens,
+              "rope_and_store_cpu: float32 CPU tensors and one slot per token");
+  auto rotated_q = at::empty({tokens, heads, dim}, q.options());
+  const auto c = cos.reshape({tokens, dim}).contiguous(), s = sin.reshape({tokens, dim}).contiguous();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  // x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1): the products and the sum
+  // rounded one by one, as the ATen expression does (no fused multiply-add here).
+  auto rotate = [&](const float* x, int64_t x_stride, const float* ct, const float* st, float* out) {
+    for (int64_t j = 0; j < half; ++j) out[j] = x[j * x_stride] * ct[j] + (-x[(j + half) * x_stride]) * st[j];
+    for (int64_t j = half; j < dim; ++j) out[j] = x[j * x_stride] * ct[j] + x[(j - half) * x_stride] * st[j];
+  };
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* oq = rotated_q.data_ptr<float>();
+  float* pk = pool_keys.data_ptr<float>();
+  float* pv = pool_values.data_ptr<float>();
+  at::parallel_for(0, tokens, /*grain_size=*/16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* ct = cp + t * dim;
+      const float* st = sp + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        rotate(qp + t * q.stride(0) + h * q.stride(1), q.stride(2), ct, st, oq + (t * heads + h) * dim);
+      }
+      for (int64_t h = 0; h < kv; ++h) {
+        const int64_t slot = (slots[t] * kv + h) * dim;
+        rotate(kp + t * k.stride(0) + h * k.stride(1), k.stride(2), ct, st, pk + slot);
+        const float* vh = vp + t * v.stride(0) + h * v.stride(1);
+        for (int64_t j = 0; j < dim; ++j) pv[slot + j] = vh[j * v.stride(2)];
+      }
+    }
+  });
+  return rotated_q;
 }
 
 at::Tensor causal_mask(const std::vector<int64_t>& past, int64_t new_tokens, int64_t total,

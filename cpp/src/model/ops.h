@@ -24,6 +24,14 @@ std::pair<at::Tensor, at::Tensor> rope_cos_sin(const at::Tensor& inv_freq, const
 // Rotates x [B, H, S, D] by the rotate-half convention of Hugging Face Llama.
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
+// The packed step's RoPE and KV write in one pass, for CPU float32 inference: q [N, H, D]
+// rotated into a new contiguous tensor; k [N, H_kv, D] rotated and v copied straight into
+// pool slots `slots[i]` of pool_keys / pool_values [capacity, H_kv, D]. cos, sin: [.., N, D].
+// Same values as apply_rope followed by index_copy_.
+at::Tensor rope_and_store_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                              const at::Tensor& sin, const std::vector<int64_t>& slots, at::Tensor& pool_keys,
+                              at::Tensor& pool_values);
+
 // Additive mask [B, 1, S, T]: new token i of row b sits at own position past[b] + i and
 // sees own keys t <= past[b] + i.
 at::Tensor causal_mask(const std::vector<int64_t>& past, int64_t new_tokens, int64_t total,

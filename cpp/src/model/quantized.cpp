@@ -5,7 +5,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace cartridges {
 
@@ -82,6 +84,12 @@ void scalar_rows(BlockFormat format, const uint8_t* w, int64_t row_bytes, int64_
 
 #define CARTRIDGES_AVX2 __attribute__((target("avx2,fma,f16c")))
 
+CARTRIDGES_AVX2 inline float half_at_f16c(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
 CARTRIDGES_AVX2 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -92,7 +100,7 @@ CARTRIDGES_AVX2 inline float hsum(__m256 v) {
 // Dequantizes one block into four vectors of eight weights (elements 0-7, 8-15, 16-23, 24-31).
 template <BlockFormat F>
 CARTRIDGES_AVX2 inline void load_block(const uint8_t* block, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(half_at(block));
+  const __m256 d = _mm256_set1_ps(half_at_f16c(block));
   if constexpr (F == BlockFormat::kQ8_0) {
     for (int i = 0; i < 4; ++i) {
       __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * i));
@@ -113,7 +121,7 @@ CARTRIDGES_AVX2 inline void load_block(const uint8_t* block, __m256 w[4]) {
         w[i] = _mm256_mul_ps(d, _mm256_sub_ps(q, _mm256_set1_ps(8.f)));
       } else {
         // d*q is exact in float32, so the fused multiply-add rounds like d*q + m does.
-        w[i] = _mm256_fmadd_ps(d, q, _mm256_set1_ps(half_at(block + 2)));
+        w[i] = _mm256_fmadd_ps(d, q, _mm256_set1_ps(half_at_f16c(block + 2)));
       }
     }
   }
@@ -162,6 +170,205 @@ RowsFn avx2_kernel(BlockFormat format, int64_t rows) {
   TORCH_INTERNAL_ASSERT(false);
 }
 
+// ---- int8 activations ----------------------------------------------------------------------
+
+// Input rows rounded to 8 bits per block of 32: x[j] ~ scale * q[j]. `sums` holds
+// scale * sum(q), which a block's offset multiplies (Q4_1's minimum, Q4_0's -8 * d).
+struct Int8Rows {
+  int64_t blocks = 0;
+  std::vector<int8_t> q;     // [rows, blocks, 32]
+  std::vector<float> scale;  // [rows, blocks]
+  std::vector<float> sums;   // [rows, blocks]
+  // The same by block, for eight rows at a time: [blocks, padded rows], zero past the rows.
+  int64_t padded_rows = 0;
+  std::vector<float> scale_by_block, sums_by_block;
+};
+
+// One block, as llama.cpp's quantize_row_q8_1 rounds it: scale = max|x| / 127,
+// q = round-half-even(x * (127 / max|x|)).
+void round_block_scalar(const float* x, int8_t* q, float* scale, float* sum) {
+  float amax = 0.f;
+  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float inverse = amax != 0.f ? 127.f / amax : 0.f;
+  int total = 0;
+  for (int j = 0; j < kBlock; ++j) {
+    q[j] = static_cast<int8_t>(std::nearbyint(x[j] * inverse));
+    total += q[j];
+  }
+  *scale = amax / 127.f;
+  *sum = *scale * static_cast<float>(total);
+}
+
+CARTRIDGES_AVX2 void round_block_avx2(const float* x, int8_t* q, float* scale, float* sum) {
+  __m256 v[4];
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float top = _mm_cvtss_f32(m);
+  const __m256 inverse = _mm256_set1_ps(top != 0.f ? 127.f / top : 0.f);
+  __m256i n[4];
+  for (int i = 0; i < 4; ++i) {
+    n[i] = _mm256_cvtps_epi32(
+        _mm256_round_ps(_mm256_mul_ps(v[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_hadd_epi32(t, t);
+  t = _mm_hadd_epi32(t, t);
+  // The packs interleave 128-bit lanes; the permutation puts the 32 values back in order.
+  __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), packed);
+  *scale = top / 127.f;
+  *sum = *scale * static_cast<float>(_mm_cvtsi128_si32(t));
+}
+
+Int8Rows round_rows(const float* x, int64_t rows, int64_t in, bool avx2) {
+  Int8Rows r;
+  r.blocks = in / kBlock;
+  r.q.resize(rows * in);
+  r.scale.resize(rows * r.blocks);
+  r.sums.resize(rows * r.blocks);
+  for (int64_t i = 0; i < rows * r.blocks; ++i) {
+    auto round_block = avx2 ? round_block_avx2 : round_block_scalar;
+    round_block(x + i * kBlock, r.q.data() + i * kBlock, &r.scale[i], &r.sums[i]);
+  }
+  r.padded_rows = (rows + kQuantizedRowGroup - 1) / kQuantizedRowGroup * kQuantizedRowGroup;
+  r.scale_by_block.assign(r.blocks * r.padded_rows, 0.f);
+  r.sums_by_block.assign(r.blocks * r.padded_rows, 0.f);
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t b = 0; b < r.blocks; ++b) {
+      r.scale_by_block[b * r.padded_rows + row] = r.scale[row * r.blocks + b];
+      r.sums_by_block[b * r.padded_rows + row] = r.sums[row * r.blocks + b];
+    }
+  }
+  return r;
+}
+
+// Integer dot product of one weight block with one block of activations, before scales.
+// 4-bit: the unsigned nibbles (0-15) times the int8 activations; the offset is added apart.
+int block_dot_scalar(BlockFormat format, const uint8_t* block, const int8_t* q) {
+  int total = 0;
+  if (format == BlockFormat::kQ8_0) {
+    for (int j = 0; j < kBlock; ++j) total += static_cast<int8_t>(block[2 + j]) * q[j];
+    return total;
+  }
+  const uint8_t* nibbles = block + (format == BlockFormat::kQ4_1 ? 4 : 2);
+  for (int j = 0; j < 16; ++j) total += (nibbles[j] & 0x0F) * q[j] + (nibbles[j] >> 4) * q[j + 16];
+  return total;
+}
+
+// A block's offset per unit of activation sum: Q4_1's minimum m, Q4_0's -8 d, none for Q8_0.
+float block_offset_scalar(BlockFormat format, const uint8_t* block) {
+  if (format == BlockFormat::kQ4_1) return half_at(block + 2);
+  if (format == BlockFormat::kQ4_0) return -8.f * half_at(block);
+  return 0.f;
+}
+
+void int8_scalar_rows(BlockFormat format, const uint8_t* w, int64_t row_bytes, const Int8Rows& x, int64_t r0,
+                      int64_t rows, float* y, int64_t out, int64_t n_begin, int64_t n_end) {
+  const int64_t bb = block_bytes(format);
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    for (int64_t r = r0; r < r0 + rows; ++r) {
+      float total = 0.f;
+      for (int64_t b = 0; b < x.blocks; ++b) {
+        const uint8_t* block = w + n * row_bytes + b * bb;
+        const int64_t i = r * x.blocks + b;
+        total += half_at(block) * x.scale[i] * static_cast<float>(block_dot_scalar(format, block, &x.q[i * kBlock])) +
+                 block_offset_scalar(format, block) * x.sums[i];
+      }
+      y[r * out + n] = total;
+    }
+  }
+}
+
+// Eight lanes of int32 per row -> one vector of the R (<= 8) rows' totals, in row order.
+template <int R>
+CARTRIDGES_AVX2 inline __m256i row_totals(const __m256i v[8]) {
+  const __m256i h01 = _mm256_hadd_epi32(v[0], R > 1 ? v[1] : _mm256_setzero_si256());
+  const __m256i h23 = R > 2 ? _mm256_hadd_epi32(v[2], R > 3 ? v[3] : _mm256_setzero_si256()) : _mm256_setzero_si256();
+  const __m256i h45 = R > 4 ? _mm256_hadd_epi32(v[4], R > 5 ? v[5] : _mm256_setzero_si256()) : _mm256_setzero_si256();
+  const __m256i h67 = R > 6 ? _mm256_hadd_epi32(v[6], R > 7 ? v[7] : _mm256_setzero_si256()) : _mm256_setzero_si256();
+  const __m256i low = _mm256_hadd_epi32(h01, h23);   // rows 0-3: low 128-bit lane halves, then high
+  const __m256i high = _mm256_hadd_epi32(h45, h67);  // rows 4-7
+  return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31));
+}
+
+// R (<= 8) rows against weight rows [n_begin, n_end). Each weight block is unpacked once for
+// all R rows; u8 x s8 pairs are summed by maddubs (at most 2 * 128 * 127, no saturation), then
+// by madd into 8 int32 lanes, which are reduced to one lane per row (exact), so the block's
+// scales apply to all rows in one multiply-add. A row's arithmetic is the same for every R:
+// a request's results do not depend on how many others share its step.
+template <BlockFormat F, int R>
+CARTRIDGES_AVX2 void int8_avx2_row_group(const uint8_t* w, int64_t row_bytes, const Int8Rows& x, int64_t r0,
+                                         float* y, int64_t out, int64_t n_begin, int64_t n_end) {
+  constexpr int64_t bb = F == BlockFormat::kQ4_0 ? 18 : F == BlockFormat::kQ4_1 ? 20 : 34;
+  const int64_t blocks = x.blocks, padded = x.padded_rows;
+  const int8_t* xq = x.q.data() + r0 * blocks * kBlock;
+  const float* xs = x.scale_by_block.data() + r0;
+  const float* xsum = x.sums_by_block.data() + r0;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc = _mm256_setzero_ps();
+    __m256 offset = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = row + b * bb;
+      const __m256 d = _mm256_set1_ps(half_at_f16c(block));
+      __m256i qw;
+      if constexpr (F == BlockFormat::kQ8_0) {
+        qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+      } else {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (F == BlockFormat::kQ4_1 ? 4 : 2)));
+        qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low_nibbles);
+      }
+      const __m256i wu = F == BlockFormat::kQ8_0 ? _mm256_sign_epi8(qw, qw) : qw;
+      __m256i dots[8];
+      for (int r = 0; r < R; ++r) {
+        __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (r * blocks + b) * kBlock));
+        if constexpr (F == BlockFormat::kQ8_0) qx = _mm256_sign_epi8(qx, qw);
+        dots[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, qx), ones);
+      }
+      const __m256 scales = _mm256_mul_ps(d, _mm256_loadu_ps(xs + b * padded));
+      acc = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(row_totals<R>(dots)), acc);
+      if constexpr (F == BlockFormat::kQ4_1) {
+        offset = _mm256_fmadd_ps(_mm256_set1_ps(half_at_f16c(block + 2)), _mm256_loadu_ps(xsum + b * padded), offset);
+      } else if constexpr (F == BlockFormat::kQ4_0) {
+        offset = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(-8.f), d), _mm256_loadu_ps(xsum + b * padded), offset);
+      }
+    }
+    alignas(32) float totals[8];
+    _mm256_store_ps(totals, _mm256_add_ps(acc, offset));
+    for (int r = 0; r < R; ++r) y[(r0 + r) * out + n] = totals[r];
+  }
+}
+
+using Int8RowsFn = void (*)(const uint8_t*, int64_t, const Int8Rows&, int64_t, float*, int64_t, int64_t, int64_t);
+
+template <BlockFormat F>
+Int8RowsFn pick_int8_rows(int64_t rows) {
+  static constexpr Int8RowsFn table[kQuantizedRowGroup] = {
+      int8_avx2_row_group<F, 1>, int8_avx2_row_group<F, 2>, int8_avx2_row_group<F, 3>, int8_avx2_row_group<F, 4>,
+      int8_avx2_row_group<F, 5>, int8_avx2_row_group<F, 6>, int8_avx2_row_group<F, 7>, int8_avx2_row_group<F, 8>};
+  return table[rows - 1];
+}
+
+Int8RowsFn int8_avx2_kernel(BlockFormat format, int64_t rows) {
+  switch (format) {
+    case BlockFormat::kQ4_0: return pick_int8_rows<BlockFormat::kQ4_0>(rows);
+    case BlockFormat::kQ4_1: return pick_int8_rows<BlockFormat::kQ4_1>(rows);
+    case BlockFormat::kQ8_0: return pick_int8_rows<BlockFormat::kQ8_0>(rows);
+  }
+  TORCH_INTERNAL_ASSERT(false);
+}
+
 bool has_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                           __builtin_cpu_supports("f16c");
@@ -170,7 +377,7 @@ bool has_avx2() {
 
 }  // namespace
 
-at::Tensor quantized_linear(const at::Tensor& x, const QuantizedMatrix& w) {
+at::Tensor quantized_linear(const at::Tensor& x, const QuantizedMatrix& w, ActivationPrecision precision) {
   RECORD_FUNCTION("cartridges::quantized_linear", std::vector<c10::IValue>());  // named in profiles
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "quantized_linear: x must be float32 on CPU");
   TORCH_CHECK(x.size(-1) == w.in_features, "quantized_linear: x has ", x.size(-1), " features, weight takes ",
@@ -178,36 +385,59 @@ at::Tensor quantized_linear(const at::Tensor& x, const QuantizedMatrix& w) {
   const int64_t in = w.in_features, out = w.out_features(), blocks = in / kBlock;
   auto flat = x.reshape({-1, in}).contiguous();
   const int64_t rows = flat.size(0);
-  TORCH_CHECK(rows >= 1 && rows <= kMaxQuantizedRows, "quantized_linear: ", rows, " rows, at most ",
-              kMaxQuantizedRows);
+  TORCH_CHECK(rows >= 1 && rows <= max_quantized_rows(precision), "quantized_linear: ", rows, " rows, at most ",
+              max_quantized_rows(precision));
   auto y = at::empty({rows, out}, flat.options());
   const uint8_t* wp = w.data.data_ptr<uint8_t>();
   const int64_t row_bytes = w.data.size(1);
   const float* xp = flat.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const bool avx2 = has_avx2();
+  const bool int8 = precision == ActivationPrecision::kInt8;
+  // Rounded once, before the threads split the weights (a few microseconds).
+  const Int8Rows xq = int8 ? round_rows(xp, rows, in, avx2) : Int8Rows{};
   // Output features are independent: split them across threads in chunks that keep each
   // thread streaming through whole rows of weights. Within a chunk, a tile of weight rows
   // (a few KiB, in L1/L2) serves every group of input rows before the next tile is read.
-  constexpr int64_t kTile = 16;
-  at::parallel_for(0, out, /*grain_size=*/64, [&](int64_t begin, int64_t end) {
+  // Many input rows (a prompt) go 64 at a time, so that their activations stay in cache
+  // while every tile passes them.
+  constexpr int64_t kTile = 16, kRowChunk = 64;
+  auto multiply = [&](int64_t first_row, int64_t last_row, int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; tile += kTile) {
       const int64_t tile_end = std::min(tile + kTile, end);
-      for (int64_t r0 = 0; r0 < rows; r0 += kQuantizedRowGroup) {
-        const int64_t group = std::min(kQuantizedRowGroup, rows - r0);
-        const float* xg = xp + r0 * in;
-        float* yg = yp + r0 * out;
-        if (avx2) {
-          avx2_kernel(w.format, group)(wp, row_bytes, blocks, xg, in, yg, out, tile, tile_end);
+      for (int64_t r0 = first_row; r0 < last_row; r0 += kQuantizedRowGroup) {
+        const int64_t group = std::min(kQuantizedRowGroup, last_row - r0);
+        if (int8 && avx2) {
+          int8_avx2_kernel(w.format, group)(wp, row_bytes, xq, r0, yp, out, tile, tile_end);
+        } else if (int8) {
+          int8_scalar_rows(w.format, wp, row_bytes, xq, r0, group, yp, out, tile, tile_end);
+        } else if (avx2) {
+          avx2_kernel(w.format, group)(wp, row_bytes, blocks, xp + r0 * in, in, yp + r0 * out, out, tile, tile_end);
         } else {
-          scalar_rows(w.format, wp, row_bytes, blocks, xg, group, in, yg, out, tile, tile_end);
+          scalar_rows(w.format, wp, row_bytes, blocks, xp + r0 * in, group, in, yp + r0 * out, out, tile, tile_end);
         }
       }
     }
-  });
+  };
+  for (int64_t first = 0; first < rows; first += kRowChunk) {
+    const int64_t last = std::min(first + kRowChunk, rows);
+    at::parallel_for(0, out, /*grain_size=*/64, [&](int64_t begin, int64_t end) { multiply(first, last, begin, end); });
+  }
   auto shape = x.sizes().vec();
   shape.back() = out;
   return y.view(shape);
+}
+
+at::Tensor round_activations_int8(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.size(-1) % kBlock == 0,
+              "round_activations_int8: x must be float32 on CPU with a multiple of 32 features");
+  auto flat = x.reshape({-1, x.size(-1)}).contiguous();
+  const int64_t rows = flat.size(0), in = flat.size(1);
+  const auto rounded = round_rows(flat.data_ptr<float>(), rows, in, has_avx2());
+  auto result = at::empty_like(flat);
+  float* rp = result.data_ptr<float>();
+  for (int64_t i = 0; i < rows * in; ++i) rp[i] = rounded.scale[i / kBlock] * static_cast<float>(rounded.q[i]);
+  return result.view(x.sizes());
 }
 
 at::Tensor dequantize(const QuantizedMatrix& w) {
