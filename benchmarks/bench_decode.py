@@ -1,8 +1,10 @@
 """Decode benchmark: our engine against Hugging Face transformers on the default model.
 
-Same prompts, greedy, 128 new tokens (no early stop), batch 1 and batch 8. Prints prefill and
-decode tokens/s, the peak memory each run adds to the process, and our/their ratios, and
-checks that both produce the same tokens.
+Same prompts, greedy, 128 new tokens (no early stop), batch 1 and batch 8 (batches past 8 repeat
+the 8 questions). Prints prefill and decode tokens/s, the peak memory each run adds to the
+process, and our/their ratios. Our engine runs twice: with its default int8 activations, and
+with float32 activations ("ours fp32-act", transformers' arithmetic), whose tokens should
+equal transformers'.
 
     python benchmarks/bench_decode.py [--new-tokens 128] [--repeats 2] [--threads N] [--llama-cpp]
 
@@ -41,6 +43,10 @@ import transformers
 import cartridges
 from cartridges.models import default_model_path
 
+# Our engine with float32 activations on the quantized weights (int8_activations=False):
+# transformers' arithmetic, so its tokens should equal transformers'.
+EXACT = "ours fp32-act"
+
 QUESTIONS = [
     "What is the capital of France?",
     "Explain in a few sentences how a refrigerator keeps food cold.",
@@ -51,6 +57,11 @@ QUESTIONS = [
     "Give me a recipe idea for dinner with rice and vegetables.",
     "What are the main differences between a cat and a dog as pets, in terms of care and temperament?",
 ]
+
+
+def questions(batch: int) -> list[str]:
+    """`batch` chat questions: the list above, repeated for batches past its length."""
+    return [QUESTIONS[i % len(QUESTIONS)] for i in range(batch)]
 
 
 def peak_rss_mib() -> float:
@@ -213,9 +224,10 @@ def measure(engine: str, batch: int, new_tokens: int, repeats: int, threads: int
     """One engine at one batch size, in a fresh process so that its peak memory is its own."""
     if threads:
         torch.set_num_threads(threads)
-    ours = cartridges.load_model()  # also the tokenizer for both
-    prompts = [ours.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS[:batch]]
-    if engine == "cartridges":
+    # also the tokenizer for both; "exact": float32 activations on the quantized weights
+    ours = cartridges.load_model(int8_activations=engine != EXACT)
+    prompts = [ours.encode_chat([{"role": "user", "content": q}]) for q in questions(batch)]
+    if engine in ("cartridges", EXACT):
         run = lambda n: run_ours(ours, prompts, n)  # noqa: E731
     else:
         del ours
@@ -226,11 +238,11 @@ def measure(engine: str, batch: int, new_tokens: int, repeats: int, threads: int
     return warm_then_best(run, new_tokens, repeats)
 
 
-def chat_prompts() -> list[list[int]]:
+def chat_prompts(batches: list[int]) -> list[list[int]]:
     """The token ids our engine gets (our chat template), for llama.cpp; made in a process of
     their own so that llama.cpp's peak memory holds none of our weights."""
     ours = cartridges.load_model()
-    return [ours.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    return [ours.encode_chat([{"role": "user", "content": q}]) for q in questions(max(batches))]
 
 
 def measure_llama_cpp(prompts: list[list[int]], new_tokens: int, repeats: int, threads: int) -> Run:
@@ -249,7 +261,7 @@ def same_tokens(mine: Run, ref: Run) -> str:
 
 
 def print_ratio(batch: int, label: str, mine: Run, ref: Run) -> None:
-    print(f"{batch:>5} {label:>12} {mine.prefill_tok_s / ref.prefill_tok_s:>13.2f}x "
+    print(f"{batch:>5} {label:>13} {mine.prefill_tok_s / ref.prefill_tok_s:>13.2f}x "
           f"{mine.decode_tok_s / ref.decode_tok_s:>12.2f}x {mine.peak_mib / ref.peak_mib:>8.2f}x")
 
 
@@ -271,15 +283,15 @@ def main() -> None:
           + (f", llama-cpp-python {llama_version} ({threads} threads)" if llama_version else ""))
     print(f"model: default (SmolLM2-135M-Instruct Q4_1 GGUF), fp32 on cpu; greedy, {args.new_tokens} new tokens; "
           f"best of {args.repeats}; each engine in its own process (peak RSS includes the weights)\n")
-    header = f"{'batch':>5} {'engine':>12} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak MiB':>9} {'same tokens':>12}"
+    header = f"{'batch':>5} {'engine':>13} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak MiB':>9} {'same tokens':>12}"
     print(header)
     print("-" * len(header))
     context = multiprocessing.get_context("spawn")
-    prompts = in_fresh_process(context, chat_prompts) if args.llama_cpp else []
+    prompts = in_fresh_process(context, chat_prompts, args.batches) if args.llama_cpp else []
     for batch in args.batches:
         runs = {engine: in_fresh_process(context, measure, engine, batch, args.new_tokens, args.repeats,
                                          args.threads)
-                for engine in ("cartridges", "transformers")}
+                for engine in ("cartridges", EXACT, "transformers")}
         if args.llama_cpp:
             runs["llama.cpp"] = in_fresh_process(context, measure_llama_cpp, prompts[:batch], args.new_tokens,
                                                  args.repeats, threads)
@@ -287,11 +299,12 @@ def main() -> None:
         # Our row counts the sequences identical to transformers' (as always), llama.cpp's row those
         # identical to ours: informational, as llama.cpp rounds activations to 8 bits and its KV cache
         # to float16, which flips near-ties between the top two tokens (seen on 2 of the 8 prompts).
-        same = {"cartridges": same_tokens(mine, runs["transformers"])}
+        same = {"cartridges": same_tokens(mine, runs["transformers"]),
+                EXACT: same_tokens(runs[EXACT], runs["transformers"])}
         if args.llama_cpp:
             same["llama.cpp"] = same_tokens(mine, runs["llama.cpp"])
         for name, r in runs.items():
-            print(f"{batch:>5} {name:>12} {r.prefill_tok_s:>14.1f} {r.decode_tok_s:>13.1f} {r.peak_mib:>9.0f} "
+            print(f"{batch:>5} {name:>13} {r.prefill_tok_s:>14.1f} {r.decode_tok_s:>13.1f} {r.peak_mib:>9.0f} "
                   f"{same.get(name, ''):>12}")
         print_ratio(batch, "ratio", mine, runs["transformers"])
         if args.llama_cpp:
