@@ -235,8 +235,8 @@ Int8Rows round_rows(const float* x, int64_t rows, int64_t in, bool avx2) {
   r.q.resize(rows * in);
   r.scale.resize(rows * r.blocks);
   r.sums.resize(rows * r.blocks);
+  const auto round_block = avx2 ? round_block_avx2 : round_block_scalar;
   for (int64_t i = 0; i < rows * r.blocks; ++i) {
-    auto round_block = avx2 ? round_block_avx2 : round_block_scalar;
     round_block(x + i * kBlock, r.q.data() + i * kBlock, &r.scale[i], &r.sums[i]);
   }
   r.padded_rows = (rows + kQuantizedRowGroup - 1) / kQuantizedRowGroup * kQuantizedRowGroup;
