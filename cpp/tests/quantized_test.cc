@@ -60,6 +60,23 @@ TEST_P(QuantizedTest, Int8ActivationsMatchLinearOnRoundedActivations) {
   EXPECT_THROW(quantized_linear(at::randn({kMaxQuantizedRows + 1, 96}), w), c10::Error);  // float32: GEMM's job
 }
 
+TEST_P(QuantizedTest, Int8RowResultsDoNotDependOnTheBatch) {
+  // A request's logits must not change with what shares its step: each row, computed alone,
+  // in a group of 2-8 and in a chunk past 64 rows, gives bit-identical outputs.
+  at::manual_seed(3);
+  auto w = random_matrix(GetParam(), 40, 320);  // 10 blocks: one full group of 8 and a partial one
+  auto x = at::randn({70, 320});
+  auto all = quantized_linear(x, w, ActivationPrecision::kInt8);
+  for (int64_t rows : {1, 2, 3, 5, 8, 9, 16}) {
+    auto part = quantized_linear(x.narrow(0, 0, rows), w, ActivationPrecision::kInt8);
+    EXPECT_TRUE(at::equal(part, all.narrow(0, 0, rows))) << "rows " << rows;
+  }
+  for (int64_t r = 0; r < 70; r += 23) {
+    EXPECT_TRUE(at::equal(quantized_linear(x.narrow(0, r, 1), w, ActivationPrecision::kInt8), all.narrow(0, r, 1)))
+        << "row " << r;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Formats, QuantizedTest,
                          ::testing::Values(BlockFormat::kQ4_0, BlockFormat::kQ4_1, BlockFormat::kQ8_0));
 

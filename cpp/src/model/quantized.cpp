@@ -350,12 +350,74 @@ CARTRIDGES_AVX2 void int8_avx2_row_group(const uint8_t* w, int64_t row_bytes, co
   }
 }
 
+// One row (batch-1 decode): the same arithmetic as int8_avx2_row_group<F, 1>, lane for lane,
+// but with eight blocks in the lanes of one reduction instead of one block per reduction;
+// the per-block scaling stays a scalar chain in block order, as in the group kernel.
+CARTRIDGES_AVX2 inline float fused_multiply_add(float a, float b, float c) {
+  return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)));
+}
+
+template <BlockFormat F>
+CARTRIDGES_AVX2 void int8_avx2_one_row(const uint8_t* w, int64_t row_bytes, const Int8Rows& x, int64_t r0,
+                                       float* y, int64_t out, int64_t n_begin, int64_t n_end) {
+  constexpr int64_t bb = F == BlockFormat::kQ4_0 ? 18 : F == BlockFormat::kQ4_1 ? 20 : 34;
+  const int64_t blocks = x.blocks;
+  const int8_t* xq = x.q.data() + r0 * blocks * kBlock;
+  const float* xs = x.scale.data() + r0 * blocks;
+  const float* xsum = x.sums.data() + r0 * blocks;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    float acc = 0.f, offset = 0.f;
+    for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
+      const int count = static_cast<int>(std::min<int64_t>(8, blocks - b0));
+      __m256i dots[8];
+      for (int i = 0; i < 8; ++i) {
+        if (i >= count) {
+          dots[i] = _mm256_setzero_si256();
+          continue;
+        }
+        const uint8_t* block = row + (b0 + i) * bb;
+        __m256i qw;
+        if constexpr (F == BlockFormat::kQ8_0) {
+          qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+        } else {
+          const __m128i bytes =
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (F == BlockFormat::kQ4_1 ? 4 : 2)));
+          qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low_nibbles);
+        }
+        __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b0 + i) * kBlock));
+        __m256i wu = qw;
+        if constexpr (F == BlockFormat::kQ8_0) {
+          wu = _mm256_sign_epi8(qw, qw);
+          qx = _mm256_sign_epi8(qx, qw);
+        }
+        dots[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, qx), ones);
+      }
+      alignas(32) float totals[8];
+      _mm256_store_ps(totals, _mm256_cvtepi32_ps(row_totals<8>(dots)));
+      for (int i = 0; i < count; ++i) {
+        const uint8_t* block = row + (b0 + i) * bb;
+        const float d = half_at_f16c(block);
+        acc = fused_multiply_add(d * xs[b0 + i], totals[i], acc);
+        if constexpr (F == BlockFormat::kQ4_1) {
+          offset = fused_multiply_add(half_at_f16c(block + 2), xsum[b0 + i], offset);
+        } else if constexpr (F == BlockFormat::kQ4_0) {
+          offset = fused_multiply_add(-8.f * d, xsum[b0 + i], offset);
+        }
+      }
+    }
+    y[r0 * out + n] = acc + offset;
+  }
+}
+
 using Int8RowsFn = void (*)(const uint8_t*, int64_t, const Int8Rows&, int64_t, float*, int64_t, int64_t, int64_t);
 
 template <BlockFormat F>
 Int8RowsFn pick_int8_rows(int64_t rows) {
   static constexpr Int8RowsFn table[kQuantizedRowGroup] = {
-      int8_avx2_row_group<F, 1>, int8_avx2_row_group<F, 2>, int8_avx2_row_group<F, 3>, int8_avx2_row_group<F, 4>,
+      int8_avx2_one_row<F>,      int8_avx2_row_group<F, 2>, int8_avx2_row_group<F, 3>, int8_avx2_row_group<F, 4>,
       int8_avx2_row_group<F, 5>, int8_avx2_row_group<F, 6>, int8_avx2_row_group<F, 7>, int8_avx2_row_group<F, 8>};
   return table[rows - 1];
 }
