@@ -23,6 +23,11 @@ def test_settings_precedence() -> None:
     assert (s.port, s.data_dir, s.max_upload_bytes, s.admin_key, s.model) == (9001, Path("/cli"), 10, "adm", "m.gguf")
     with pytest.raises(ValueError, match="CARTRIDGES_PORT"):
         Settings.from_env({"CARTRIDGES_PORT": "eighty"})
+    assert Settings().int8_activations
+    assert not Settings.from_env({"CARTRIDGES_INT8_ACTIVATIONS": "0"}).int8_activations
+    assert Settings.from_env({"CARTRIDGES_INT8_ACTIVATIONS": "0"}, int8_activations=True).int8_activations
+    with pytest.raises(ValueError, match="CARTRIDGES_INT8_ACTIVATIONS"):
+        Settings.from_env({"CARTRIDGES_INT8_ACTIVATIONS": "maybe"})
 
 
 @pytest.mark.parametrize(

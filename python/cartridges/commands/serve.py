@@ -33,6 +33,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="threads of each training job's worker (CARTRIDGES_WORKER_THREADS; default 0: half the cores)")
     p.add_argument("--max-jobs", type=int, metavar="N",
                    help="training jobs run at once (CARTRIDGES_MAX_JOBS; default 1)")
+    p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
+                   help="on CPU with a GGUF's quantized weights, round activations to 8 bits as llama.cpp "
+                   "does, about 2x faster decode; --no-int8-activations keeps float32 activations, "
+                   "transformers' results (CARTRIDGES_INT8_ACTIVATIONS; default on)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=run)
 
@@ -46,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
         settings = Settings.from_env(
             host=args.host, port=args.port, data_dir=args.data_dir, model=args.model, device=args.device,
             kv_tokens=args.kv_tokens, cartridge_memory_mib=args.cartridge_memory_mib,
-            serve_threads=args.serve_threads, worker_threads=args.worker_threads, max_jobs=args.max_jobs)
+            serve_threads=args.serve_threads, worker_threads=args.worker_threads, max_jobs=args.max_jobs,
+            int8_activations=args.int8_activations)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -82,7 +82,8 @@ class Serving:
 
         try:
             started = time.monotonic()
-            model = load_model(self.settings.model, device=self.device)
+            model = load_model(self.settings.model, device=self.device,
+                               int8_activations=self.settings.int8_activations)
             self.engine = model.start_engine(
                 kv_tokens=self.settings.kv_tokens,
                 cartridge_cache_bytes=self.budget_bytes,
