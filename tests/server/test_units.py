@@ -8,6 +8,7 @@ import pytest
 
 from cartridges.cli import main
 from cartridges.server.extraction import ExtractionError, extract_text
+from cartridges.jobs.worker import int8_activations_from_env
 from cartridges.server.settings import MAX_UPLOAD_BYTES, Settings
 from cartridges.server.uploads import safe_filename
 from tests.server.conftest import make_pdf
@@ -28,6 +29,9 @@ def test_settings_precedence() -> None:
     assert Settings.from_env({"CARTRIDGES_INT8_ACTIVATIONS": "0"}, int8_activations=True).int8_activations
     with pytest.raises(ValueError, match="CARTRIDGES_INT8_ACTIVATIONS"):
         Settings.from_env({"CARTRIDGES_INT8_ACTIVATIONS": "maybe"})
+    # ... and training workers get it from the supervisor in the same variable.
+    assert int8_activations_from_env({}) and int8_activations_from_env({"CARTRIDGES_INT8_ACTIVATIONS": "1"})
+    assert not int8_activations_from_env({"CARTRIDGES_INT8_ACTIVATIONS": "0"})
 
 
 @pytest.mark.parametrize(

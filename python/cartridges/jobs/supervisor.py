@@ -48,7 +48,7 @@ def default_worker_threads() -> int:
 
 class Supervisor:
     def __init__(self, store: Any, data_dir: str | os.PathLike[str], *, max_jobs: int = 1,
-                 worker_threads: int = 0, poll_s: float = POLL_S,
+                 worker_threads: int = 0, int8_activations: bool = True, poll_s: float = POLL_S,
                  on_workers_changed: Callable[[int], None] | None = None) -> None:
         """`on_workers_changed(n)` is called from the supervisor thread whenever the number of
         running workers changes (the server gives the engine's cores back and forth with it)."""
@@ -60,6 +60,7 @@ class Supervisor:
         self._data_dir = str(data_dir)
         self.max_jobs = max(1, max_jobs)
         self.worker_threads = worker_threads or default_worker_threads()
+        self.int8_activations = int8_activations
         self._poll_s = poll_s
         self.on_workers_changed = on_workers_changed
         self._workers: dict[str, _Worker] = {}
@@ -167,7 +168,8 @@ class Supervisor:
             log_path = Path(self._store.job_dir(self._admin, run_id)) / "worker.log"
         except (self._core.NotFoundError, self._core.ConflictError):
             return  # deleted or ended meanwhile
-        env = dict(os.environ, CARTRIDGES_WORKER_THREADS=str(self.worker_threads))
+        env = dict(os.environ, CARTRIDGES_WORKER_THREADS=str(self.worker_threads),
+                   CARTRIDGES_INT8_ACTIVATIONS="1" if self.int8_activations else "0")
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "cartridges.jobs.worker", run_id, self._data_dir],

@@ -8,6 +8,8 @@ scratch directory, and a later run of the same job resumes from there.
 
 Environment (set by the supervisor, not part of the entry point's contract):
   CARTRIDGES_WORKER_THREADS   intra-op threads (torch.set_num_threads); unset: torch's default
+  CARTRIDGES_INT8_ACTIVATIONS "0": float32 activations on quantized CPU weights, as the
+                              server was told (load_model's int8_activations); unset: on
   CARTRIDGES_JOB_STEP_DELAY_S sleep after each synthesis batch and training step (tests and
                               demos: makes a tiny job last long enough to watch or kill)
 """
@@ -167,12 +169,17 @@ def _training_texts(store: Any, owner: Any, record: Any, progress: Any) -> list[
     return texts
 
 
+def int8_activations_from_env(environ: Any = os.environ) -> bool:
+    """The server's arithmetic setting as the supervisor passes it (see the module doc)."""
+    return environ.get("CARTRIDGES_INT8_ACTIVATIONS", "1").lower() not in ("0", "false", "no", "off")
+
+
 def _load_model(model_path: str) -> Any:
     from ..model import load_model
     from ..models import ModelLoadError
 
     try:
-        return load_model(model_path or None)
+        return load_model(model_path or None, int8_activations=int8_activations_from_env())
     except ModelLoadError as error:
         raise JobFailed("model_unavailable", str(error)) from None
 

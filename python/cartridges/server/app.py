@@ -48,7 +48,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.extractor = Extractor(store, core().Owner(0, True))
             await app.state.extractor.start()
             supervisor = Supervisor(store, settings.data_dir, max_jobs=settings.max_jobs,
-                                    worker_threads=settings.worker_threads)
+                                    worker_threads=settings.worker_threads,
+                                    int8_activations=settings.int8_activations)
             app.state.serving = Serving(settings, store, worker_threads=supervisor.worker_threads,
                                         max_jobs=supervisor.max_jobs)
             supervisor.on_workers_changed = app.state.serving.training_jobs_changed
