@@ -24,6 +24,7 @@ at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, dou
   const auto weight = weight_in.contiguous();
   auto out = at::empty_like(x);
   const int64_t n = x.size(-1), rows = x.numel() / n;
+  TORCH_CHECK(weight.numel() == n, "rms_norm: weight has ", weight.numel(), " elements, x has ", n, " features");
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();

@@ -288,6 +288,32 @@ void int8_scalar_rows(BlockFormat format, const uint8_t* w, int64_t row_bytes, c
   }
 }
 
+// A weight block's 32 values as bytes: Q8_0's int8, or a 4-bit block's unsigned nibbles in
+// element order (byte j holds element j in its low nibble and j + 16 in its high nibble).
+template <BlockFormat F>
+CARTRIDGES_AVX2 inline __m256i block_values(const uint8_t* block) {
+  if constexpr (F == BlockFormat::kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (F == BlockFormat::kQ4_1 ? 4 : 2)));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(0x0F));
+  }
+}
+
+// Integer dot of a block's values with 32 int8 activations, in 8 int32 lanes: u8 x s8 pairs
+// summed by maddubs (at most 2 * 128 * 127, no saturation), then by madd. Q8_0 is signed x
+// signed: maddubs takes |w| and moves w's sign onto the activations.
+template <BlockFormat F>
+CARTRIDGES_AVX2 inline __m256i block_dot(__m256i values, const int8_t* activations) {
+  __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(activations));
+  __m256i w = values;
+  if constexpr (F == BlockFormat::kQ8_0) {
+    w = _mm256_sign_epi8(values, values);
+    qx = _mm256_sign_epi8(qx, values);
+  }
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, qx), _mm256_set1_epi16(1));
+}
+
 // Eight lanes of int32 per row -> one vector of the R (<= 8) rows' totals, in row order.
 template <int R>
 CARTRIDGES_AVX2 inline __m256i row_totals(const __m256i v[8]) {
@@ -301,8 +327,7 @@ CARTRIDGES_AVX2 inline __m256i row_totals(const __m256i v[8]) {
 }
 
 // R (<= 8) rows against weight rows [n_begin, n_end). Each weight block is unpacked once for
-// all R rows; u8 x s8 pairs are summed by maddubs (at most 2 * 128 * 127, no saturation), then
-// by madd into 8 int32 lanes, which are reduced to one lane per row (exact), so the block's
+// all R rows; each row's integer dot (block_dot) is reduced to one lane per row (exact), so the block's
 // scales apply to all rows in one multiply-add. A row's arithmetic is the same for every R:
 // a request's results do not depend on how many others share its step.
 template <BlockFormat F, int R>
@@ -313,8 +338,6 @@ CARTRIDGES_AVX2 void int8_avx2_row_group(const uint8_t* w, int64_t row_bytes, co
   const int8_t* xq = x.q.data() + r0 * blocks * kBlock;
   const float* xs = x.scale_by_block.data() + r0;
   const float* xsum = x.sums_by_block.data() + r0;
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
   for (int64_t n = n_begin; n < n_end; ++n) {
     const uint8_t* row = w + n * row_bytes;
     __m256 acc = _mm256_setzero_ps();
@@ -322,20 +345,9 @@ CARTRIDGES_AVX2 void int8_avx2_row_group(const uint8_t* w, int64_t row_bytes, co
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* block = row + b * bb;
       const __m256 d = _mm256_set1_ps(half_at_f16c(block));
-      __m256i qw;
-      if constexpr (F == BlockFormat::kQ8_0) {
-        qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-      } else {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (F == BlockFormat::kQ4_1 ? 4 : 2)));
-        qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low_nibbles);
-      }
-      const __m256i wu = F == BlockFormat::kQ8_0 ? _mm256_sign_epi8(qw, qw) : qw;
+      const __m256i values = block_values<F>(block);
       __m256i dots[8];
-      for (int r = 0; r < R; ++r) {
-        __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (r * blocks + b) * kBlock));
-        if constexpr (F == BlockFormat::kQ8_0) qx = _mm256_sign_epi8(qx, qw);
-        dots[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, qx), ones);
-      }
+      for (int r = 0; r < R; ++r) dots[r] = block_dot<F>(values, xq + (r * blocks + b) * kBlock);
       const __m256 scales = _mm256_mul_ps(d, _mm256_loadu_ps(xs + b * padded));
       acc = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(row_totals<R>(dots)), acc);
       if constexpr (F == BlockFormat::kQ4_1) {
@@ -365,8 +377,6 @@ CARTRIDGES_AVX2 void int8_avx2_one_row(const uint8_t* w, int64_t row_bytes, cons
   const int8_t* xq = x.q.data() + r0 * blocks * kBlock;
   const float* xs = x.scale.data() + r0 * blocks;
   const float* xsum = x.sums.data() + r0 * blocks;
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
   for (int64_t n = n_begin; n < n_end; ++n) {
     const uint8_t* row = w + n * row_bytes;
     float acc = 0.f, offset = 0.f;
@@ -374,26 +384,8 @@ CARTRIDGES_AVX2 void int8_avx2_one_row(const uint8_t* w, int64_t row_bytes, cons
       const int count = static_cast<int>(std::min<int64_t>(8, blocks - b0));
       __m256i dots[8];
       for (int i = 0; i < 8; ++i) {
-        if (i >= count) {
-          dots[i] = _mm256_setzero_si256();
-          continue;
-        }
-        const uint8_t* block = row + (b0 + i) * bb;
-        __m256i qw;
-        if constexpr (F == BlockFormat::kQ8_0) {
-          qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-        } else {
-          const __m128i bytes =
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (F == BlockFormat::kQ4_1 ? 4 : 2)));
-          qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low_nibbles);
-        }
-        __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b0 + i) * kBlock));
-        __m256i wu = qw;
-        if constexpr (F == BlockFormat::kQ8_0) {
-          wu = _mm256_sign_epi8(qw, qw);
-          qx = _mm256_sign_epi8(qx, qw);
-        }
-        dots[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, qx), ones);
+        dots[i] = i < count ? block_dot<F>(block_values<F>(row + (b0 + i) * bb), xq + (b0 + i) * kBlock)
+                            : _mm256_setzero_si256();
       }
       alignas(32) float totals[8];
       _mm256_store_ps(totals, _mm256_cvtepi32_ps(row_totals<8>(dots)));

@@ -39,10 +39,11 @@ enum class ActivationPrecision { kFloat32, kInt8 };
 // this many, each group re-reading a small tile of weights from cache, not from memory.
 constexpr int64_t kQuantizedRowGroup = 8;
 // Largest number of input rows the quantized kernel handles (decoding up to this many
-// requests at once); larger inputs (prefill) are faster as one float32 GEMM. Measured on
-// SmolLM2-135M Q4_1, 2 cores: a whole forward takes 35 ms at 1 row, 97 ms at 16, 138 ms at
-// 24 and 180 ms at 32 on blocks, against ~130 ms for any count up to 48 rows in float32:
-// the kernel's cost grows with the rows (it is compute-bound past ~8), hence the limit.
+// requests at once); larger inputs (prefill) are faster as one float32 GEMM: the kernel's cost
+// grows with the rows (it is compute-bound past ~8), hence the limit. Chosen when the kernel
+// ran on one thread (before OpenMP was in our build); with two threads a SmolLM2-135M forward
+// takes 11 ms at 1 row and 45 ms at 16 on blocks. Not re-tuned since: float32 activations
+// are no longer the default.
 constexpr int64_t kMaxQuantizedRows = 20;
 // With int8 activations there is no limit: their integer dot products cost about what the
 // float32 GEMM costs per row (measured: 2.4 vs 2.9 ms per row of a SmolLM2-135M forward at 64
