@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from cartridges.selfstudy import Corpus, Synthesizer, TrainConfig, synthesize, training_data
+from cartridges.selfstudy.synthesize import length_groups
 from cartridges.training import train
 
 from .tiny import tiny_model
@@ -63,6 +64,31 @@ def test_teacher_topk_equals_window_in_context(model):
         # Each target position predicts the next token of the row: the answer, in order.
         assert data.tokens[row, positions + 1].tolist() == c.answer
         assert c.chunk not in model.tokenizer.decode(data.tokens[row].tolist())
+
+
+def test_length_groups_split_short_rows_from_long_ones():
+    lengths = [5, 120, 6, 130, 7, 125, 4, 128]
+    groups = length_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert [sorted(lengths[i] for i in g) for g in groups] == [[4, 5, 6, 7], [120, 125, 128, 130]]
+    assert length_groups([50] * 6) == [list(range(6))]  # equal rows: one forward
+    assert length_groups([110, 100]) == [[1, 0]]  # a second call would cost more than the padding
+    assert length_groups([]) == []
+
+
+def test_each_teacher_window_is_computed_once(model, monkeypatch):
+    # 12 batches over 2 windows of 2 or 3 chunks each: later rounds come back to the windows.
+    config = small_config(num_samples=36, chunk_tokens=200, teacher_tokens=330, written_fraction=1.0)
+    corpus = Corpus.from_texts(model.tokenizer, [TEXT])
+    plan = Synthesizer(model, config).plan(corpus, 12)
+    windows = [v.window for v in plan]
+    assert len(set(windows)) > 1 and len(set(windows)) < sum(a != b for a, b in zip(windows, windows[1:])) + 1
+    computed = []
+    original = Synthesizer._system_kv
+    monkeypatch.setattr(Synthesizer, "_system_kv", lambda self, text: computed.append(text) or original(self, text))
+    conversations = synthesize(model, corpus, config)
+    assert len(conversations) == 36
+    assert len(computed) == len(set(windows)) == len(set(computed))  # written conversations: B's windows only
 
 
 def test_train_is_deterministic_and_reports_progress(model):

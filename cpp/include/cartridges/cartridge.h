@@ -105,6 +105,13 @@ struct TrainOptions {
   int64_t total_steps(int64_t n) const;
 };
 
+// The order in which epoch `epoch` takes the N conversations of `lengths` ([N] int64): drawn
+// from (seed, epoch) alone, so a resumed run sees the batches of an uninterrupted one. A random
+// permutation is cut into pools of 16 steps of `per_step` rows; within a pool rows are sorted by
+// length, cut into steps, and the steps shuffled: a step's rows are a random draw of the data
+// of similar lengths, so little of a micro-batch is padding.
+std::vector<int64_t> training_order(const at::Tensor& lengths, int64_t per_step, int64_t seed, int64_t epoch);
+
 struct TrainProgress {
   int64_t step;   // optimizer steps done (1-based after the first)
   int64_t total;  // steps of the whole run

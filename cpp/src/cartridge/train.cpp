@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -18,14 +19,6 @@ namespace {
 
 constexpr double kPi = 3.14159265358979323846;
 
-// The order of conversations in `epoch`: a permutation drawn from (seed, epoch) alone, so a
-// resumed run sees the same batches as an uninterrupted one.
-std::vector<int64_t> epoch_order(int64_t n, int64_t seed, int64_t epoch) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed) * 1000003ULL + epoch);
-  auto perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
-  return std::vector<int64_t>(perm.data_ptr<int64_t>(), perm.data_ptr<int64_t>() + n);
-}
-
 std::vector<at::Tensor> list_of(const c10::Dict<std::string, at::Tensor>& dict, const std::string& name, size_t n) {
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < n; ++i) {
@@ -37,6 +30,38 @@ std::vector<at::Tensor> list_of(const c10::Dict<std::string, at::Tensor>& dict, 
 }
 
 }  // namespace
+
+// A micro-batch is padded to its longest row, and self-study mixes short rows (cloze: a blank's
+// few words) with long ones (recall: 128 tokens): random micro-batches spent ~40% of training's
+// compute on padding. Sorting within pools of 16 steps takes that to a few percent.
+std::vector<int64_t> training_order(const at::Tensor& lengths, int64_t per_step, int64_t seed, int64_t epoch) {
+  constexpr int64_t kStepsPerPool = 16;
+  TORCH_CHECK(lengths.dim() == 1 && lengths.scalar_type() == at::kLong && per_step > 0,
+              "training_order: lengths must be [N] int64 and per_step positive");
+  const int64_t n = lengths.size(0);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed) * 1000003ULL + epoch);
+  auto perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
+  std::vector<int64_t> order(perm.data_ptr<int64_t>(), perm.data_ptr<int64_t>() + n);
+  auto length = lengths.accessor<int64_t, 1>();
+  const int64_t pool = per_step * kStepsPerPool;
+  for (int64_t begin = 0; begin < n; begin += pool) {
+    const int64_t end = std::min(begin + pool, n);
+    std::stable_sort(order.begin() + begin, order.begin() + end,
+                     [&](int64_t a, int64_t b) { return length[a] < length[b]; });
+    const int64_t full_steps = (end - begin) / per_step;  // a last, shorter step stays last
+    if (full_steps < 2) continue;
+    auto step_order = at::randperm(full_steps, gen, at::TensorOptions().dtype(at::kLong));
+    auto picked = step_order.accessor<int64_t, 1>();
+    std::vector<int64_t> shuffled;
+    shuffled.reserve(full_steps * per_step);
+    for (int64_t i = 0; i < full_steps; ++i) {
+      auto first = order.begin() + begin + picked[i] * per_step;
+      shuffled.insert(shuffled.end(), first, first + per_step);
+    }
+    std::copy(shuffled.begin(), shuffled.end(), order.begin() + begin);
+  }
+  return order;
+}
 
 int64_t TrainOptions::total_steps(int64_t n) const {
   const int64_t per_step = batch_size * grad_accum;
@@ -135,7 +160,7 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
     const int64_t step = adam.steps();
     const int64_t epoch = step / steps_per_epoch, j = step % steps_per_epoch;
     if (epoch != order_epoch) {
-      order = epoch_order(n, options.seed, epoch);
+      order = training_order(data.lengths, per_step, options.seed, epoch);
       order_epoch = epoch;
     }
     const int64_t begin = j * per_step, end = std::min(begin + per_step, n);

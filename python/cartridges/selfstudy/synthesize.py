@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -64,6 +65,10 @@ def _pad(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
     return tokens, lengths
 
 
+# Teacher windows' KV kept between batches (a 1,024-token window of the default model: ~50 MB).
+WINDOW_CACHE_BYTES = 256 << 20
+
+
 class Synthesizer:
     def __init__(self, model, config: TrainConfig) -> None:
         self.model = model
@@ -86,7 +91,9 @@ class Synthesizer:
         self.window_tokens = min(max(config.teacher_tokens, self.chunk_tokens), budget)
         if config.teacher_tokens == 0:
             self.window_tokens = self.chunk_tokens
-        self._window_kv: tuple[Span, str, cartridges_core.KVPrefix, int] | None = None
+        # Windows' text and KV, most recently used last: a round of batches visits every window,
+        # so a short corpus's windows are all kept and computed once for the whole run.
+        self._windows: OrderedDict[Span, tuple[str, cartridges_core.KVPrefix, int]] = OrderedDict()
 
     def prompt(self, document: str, user: str) -> list[int]:
         messages = [
@@ -110,11 +117,16 @@ class Synthesizer:
         return self.core.prefix_from_tokens(torch.tensor(probes[0][:shared], dtype=torch.long)), shared
 
     def window_kv(self, corpus: Corpus, window: Span) -> tuple[str, cartridges_core.KVPrefix, int]:
-        """The window's text and KV, computed once for consecutive batches of one window."""
-        if self._window_kv is None or self._window_kv[0] != window:
-            text = self.tok.decode(corpus.tokens[window.start : window.end])
-            self._window_kv = (window, text, *self._system_kv(text))
-        return self._window_kv[1:]
+        """The window's text and KV, kept while they fit WINDOW_CACHE_BYTES (least recently
+        used dropped first; the window in use always kept)."""
+        if window in self._windows:
+            self._windows.move_to_end(window)
+            return self._windows[window]
+        text = self.tok.decode(corpus.tokens[window.start : window.end])
+        self._windows[window] = (text, *self._system_kv(text))
+        while len(self._windows) > 1 and sum(kv.nbytes for _, kv, _ in self._windows.values()) > WINDOW_CACHE_BYTES:
+            self._windows.popitem(last=False)
+        return self._windows[window]
 
     @staticmethod
     def _shared(prompts, prefix) -> tuple[int, list]:
@@ -141,18 +153,20 @@ class Synthesizer:
                 stream.close()
 
     def _score(self, prompts, answers, prefix) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The teacher's top-k at each token of given answers (one forward of the batch, the
-        shared part of the prompts taken from `prefix`, as in `_generate`)."""
+        """The teacher's top-k at each token of given answers (a forward per group of rows of
+        similar length, the shared part of the prompts taken from `prefix`, as in `_generate`)."""
         shared, prefixes = self._shared(prompts, prefix)
-        tokens, lengths = _pad([(p + a)[shared:] for p, a in zip(prompts, answers)])
-        out = []
+        rows = [(p + a)[shared:] for p, a in zip(prompts, answers)]
+        out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(rows)  # type: ignore[list-item]
         with torch.no_grad():
-            hidden = self.core.forward_hidden(tokens, num_new=lengths, prefixes=[prefixes] * len(prompts))
-            for row, (p, a) in enumerate(zip(prompts, answers)):
-                start = len(p) - shared - 1  # the position that predicts the answer's first token
-                logprobs = torch.log_softmax(self.core.logits(hidden[row, start : start + len(a)]).float(), -1)
-                values, ids = logprobs.topk(self.config.top_k, -1)
-                out.append((ids.cpu().contiguous(), values.cpu().contiguous()))
+            for group in length_groups([len(r) for r in rows]):
+                tokens, lengths = _pad([rows[i] for i in group])
+                hidden = self.core.forward_hidden(tokens, num_new=lengths, prefixes=[prefixes] * len(group))
+                for row, i in enumerate(group):
+                    start = len(prompts[i]) - shared - 1  # the position that predicts the answer's first token
+                    logits = self.core.logits(hidden[row, start : start + len(answers[i])]).float()
+                    values, ids = torch.log_softmax(logits, -1).topk(self.config.top_k, -1)
+                    out[i] = (ids.cpu().contiguous(), values.cpu().contiguous())
         return out
 
     def batch(self, corpus: Corpus, view: BatchView, rng: random.Random, n: int) -> list[Conversation]:
@@ -201,6 +215,28 @@ class Synthesizer:
             for i, (ids, lp) in zip(rows, scored):
                 answers[i] = (written[i], ids, lp)
         return [Conversation(seeds[i][0], chunk_text, questions[i], *answers[i], window_text) for i in range(n)]
+
+
+def length_groups(lengths: Sequence[int], overhead: int = 32) -> list[list[int]]:
+    """Row indices split into groups of similar length for padded forwards: a group costs its
+    rows times its longest row, plus `overhead` rows' worth for the call. Self-study batches mix
+    cloze rows (a few answer tokens) with recall rows (128), so one padded forward spent about
+    40% of its compute on padding. The split is the cheapest one of the rows sorted by length
+    (exact, by dynamic programming over where each group ends)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    n = len(order)
+    best = [0] + [math.inf] * n  # best[j]: the cheapest cost of the first j sorted rows
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # the last group is order[i:j]; its longest row is order[j - 1]
+            cost = best[i] + (j - i) * lengths[order[j - 1]] + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j] : j])
+        j = cut[j]
+    return groups[::-1]
 
 
 def loop_start(tokens: Sequence[int], max_period: int = 32, min_run: int = 12) -> int:
