@@ -26,11 +26,22 @@ def unrelated_tokens(model: Any, n: int) -> list[int]:
     return (unrelated * (n // len(unrelated) + 1))[:n]
 
 
+def spread_tokens(corpus: Corpus, n: int, pieces: int = 8) -> list[int]:
+    """`n` corpus tokens from all over it: `pieces` evenly spaced runs, the first at its start."""
+    if len(corpus) <= n:
+        return list(corpus.tokens)
+    lengths = [n // pieces + (i < n % pieces) for i in range(pieces)]
+    starts = [round(i * (len(corpus) - lengths[i]) / (pieces - 1)) for i in range(pieces)]
+    return [t for start, length in zip(starts, lengths) for t in corpus.tokens[start : start + length]]
+
+
 def init_params(model: Any, corpus: Corpus, config: TrainConfig) -> cartridges_core.CartridgeParams:
     """The trainable prefix before training: the KV of the first `num_tokens` corpus tokens
     (fewer when the corpus is shorter), or of unrelated text repeated to `num_tokens`."""
     if config.init == "corpus":
         tokens = corpus.tokens[: config.num_tokens]
+    elif config.init == "spread":
+        tokens = spread_tokens(corpus, config.num_tokens)
     else:
         tokens = unrelated_tokens(model, config.num_tokens)
     if len(tokens) <= config.num_frozen:

@@ -9,7 +9,7 @@ import torch
 import cartridges_core
 from cartridges.cartridge import Cartridge, CartridgeFileError, load_cartridge
 from cartridges.selfstudy import Corpus, TrainConfig
-from cartridges.training import init_params
+from cartridges.training import init_params, spread_tokens
 
 from .tiny import tiny_model
 
@@ -42,6 +42,18 @@ def test_untrained_corpus_cartridge_equals_corpus_in_context(model):
     in_context = model.core.forward(torch.tensor([corpus + conversation]))[0, len(corpus):]
     with_cartridge = model.core.forward(torch.tensor([conversation]), prefixes=[[cart.prefix(model)]])[0]
     assert (in_context - with_cartridge).abs().max() <= 1e-4
+
+
+def test_spread_initialization_takes_runs_from_all_over_the_corpus(model):
+    corpus = Corpus(list(range(1000)))
+    tokens = spread_tokens(corpus, 250)
+    assert len(tokens) == len(set(tokens)) == 250
+    assert tokens[:32] == list(range(32)) and tokens[-31:] == list(range(969, 1000))  # first and last runs
+    assert sum(b != a + 1 for a, b in zip(tokens, tokens[1:])) == 7  # 8 runs
+    assert spread_tokens(Corpus(list(range(100))), 256) == list(range(100))  # a short corpus whole
+    text = "The lighthouse of Varnholm was lit in 1731. " * 40
+    params = init_params(model, Corpus.from_texts(model.tokenizer, [text]), TrainConfig(num_tokens=64, init="spread"))
+    assert params.num_tokens == 64
 
 
 def test_generation_with_several_cartridges_equals_texts_in_context(model):

@@ -162,9 +162,32 @@ at::Tensor segment_output(const at::Tensor& probs, const at::Tensor& seg_v) {
   return out.view({kv_heads, batch, rows, seg_v.size(2)}).transpose(0, 1);
 }
 
+// On CPU, ATen's fused attention (blocked, online softmax, GQA without expanding heads) is
+// 3-7x faster than scores materialized as below, and so is its backward (training): the
+// segments are put in front of the row's keys, their mask columns all visible. A segment
+// shared by the batch is expanded per row as a view, then copied once by the concatenation.
+at::Tensor attention_fused_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                               const PrefixList& segments, int64_t layer) {
+  const auto batch = q.size(0), steps = q.size(2);
+  std::vector<at::Tensor> keys, values, masks;
+  int64_t prefix_len = 0;
+  for (const auto& prefix : segments) {
+    keys.push_back(prefix->keys[layer].unsqueeze(0).expand({batch, -1, -1, -1}));
+    values.push_back(prefix->values[layer].unsqueeze(0).expand({batch, -1, -1, -1}));
+    prefix_len += prefix->num_tokens();
+  }
+  keys.push_back(k);
+  values.push_back(v);
+  auto full_mask = prefix_len == 0 ? mask : at::cat({at::zeros({batch, 1, steps, prefix_len}, mask.options()), mask}, -1);
+  return at::scaled_dot_product_attention(q, keys.size() == 1 ? k : at::cat(keys, 2), values.size() == 1 ? v : at::cat(values, 2),
+                                          full_mask, /*dropout_p=*/0.0, /*is_causal=*/false, /*scale=*/std::nullopt,
+                                          /*enable_gqa=*/true);
+}
+
 // All rows of q see the same prefix segments.
 at::Tensor attention_shared(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                             const PrefixList& segments, int64_t layer) {
+  if (q.device().is_cpu()) return attention_fused_cpu(q, k, v, mask, segments, layer);
   const auto batch = q.size(0), heads = q.size(1), steps = q.size(2), dim = q.size(3);
   const auto kv_heads = k.size(1), groups = heads / kv_heads, total = k.size(2);
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));

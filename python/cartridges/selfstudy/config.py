@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-INITS = ("corpus", "text")
+INITS = ("corpus", "spread", "text")
 OBJECTIVES = ("distill", "next_token")
 
 
@@ -31,7 +31,8 @@ class TrainConfig:
     num_frozen: int = 1
     """Leading tokens never trained (the attention sink)."""
     init: str = "corpus"
-    """"corpus": the KV cache of the first num_tokens tokens of the corpus; "text": of an
+    """"corpus": the KV cache of the first num_tokens tokens of the corpus; "spread": of
+    num_tokens corpus tokens taken as 8 evenly spaced runs from all over it; "text": of an
     unrelated built-in text (repeated as needed)."""
     objective: str = "distill"
     """"distill": context distillation on synthetic conversations (the method);
