@@ -127,6 +127,17 @@ void bind_training(py::module_& m) {
       py::arg("model"), py::arg("params"), py::arg("data"), py::arg("options"), py::arg("on_progress") = py::none(),
       py::arg("cancel") = nullptr,
       "Trains params in place with the GIL released. on_progress(TrainProgress) returning False cancels.");
+
+  m.def(
+      "length_groups",
+      [](const std::vector<int64_t>& lengths, int64_t overhead) {
+        std::vector<int64_t> rows(lengths.size());
+        for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int64_t>(i);
+        return length_groups(rows, at::tensor(lengths, at::kLong), overhead);
+      },
+      py::arg("lengths"), py::arg("overhead") = 32,
+      "Row indices split into groups of similar length for padded forwards: the cheapest split of the rows "
+      "sorted by length when a group costs its rows times its longest row plus `overhead`.");
 }
 
 }  // namespace cartridges::bindings

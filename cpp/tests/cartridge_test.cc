@@ -115,35 +115,53 @@ TEST_F(CartridgeTest, CancelBeforeTheFirstStepChangesNothing) {
   EXPECT_FALSE(params.parameters()[0].grad().defined());
 }
 
-// The training order: a permutation, repeatable from (seed, epoch), whose steps group rows of
-// similar length (far less padding than a random order) and still mix the data across epochs.
-TEST(TrainingOrder, PermutationOfSimilarLengthsPerStep) {
-  const int64_t n = 203, per_step = 4;
-  auto lengths = at::randint(2, 200, {n}, at::kLong);
-  auto order = training_order(lengths, per_step, /*seed=*/3, /*epoch=*/0);
+// The training order is a permutation, repeatable from (seed, epoch).
+TEST(TrainingOrder, RepeatablePermutation) {
+  auto order = training_order(203, /*seed=*/3, /*epoch=*/0);
   auto sorted = order;
   std::sort(sorted.begin(), sorted.end());
-  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(sorted[i], i);
-  EXPECT_EQ(order, training_order(lengths, per_step, 3, 0));
-  EXPECT_NE(order, training_order(lengths, per_step, 3, 1));
-  EXPECT_NE(order, training_order(lengths, per_step, 4, 0));
+  for (int64_t i = 0; i < 203; ++i) ASSERT_EQ(sorted[i], i);
+  EXPECT_EQ(order, training_order(203, 3, 0));
+  EXPECT_NE(order, training_order(203, 3, 1));
+  EXPECT_NE(order, training_order(203, 4, 0));
+}
 
-  auto padded_rows = [&](const std::vector<int64_t>& o) {
-    int64_t total = 0;
-    for (int64_t begin = 0; begin < n; begin += per_step) {
-      const int64_t end = std::min(begin + per_step, n);
-      int64_t longest = 0;
-      for (int64_t i = begin; i < end; ++i) longest = std::max(longest, lengths[o[i]].item<int64_t>());
-      total += longest * (end - begin);
+// Length groups cover the rows once, split short rows from long ones, and keep rows of
+// similar length together.
+TEST(LengthGroups, SplitShortFromLong) {
+  auto lengths = at::tensor(std::vector<int64_t>{5, 120, 6, 130, 7, 125, 4, 128}, at::kLong);
+  auto groups = length_groups({0, 1, 2, 3, 4, 5, 6, 7}, lengths, 32);
+  ASSERT_EQ(groups.size(), 2u);
+  EXPECT_EQ(groups[0], (std::vector<int64_t>{6, 0, 2, 4}));
+  EXPECT_EQ(groups[1], (std::vector<int64_t>{1, 5, 7, 3}));
+  EXPECT_EQ(length_groups({1, 3}, lengths, 32).size(), 1u);  // 120 and 130: one call is cheaper
+  EXPECT_EQ(length_groups({0, 3}, lengths, 32).size(), 2u);  // 5 and 130: two calls
+  EXPECT_TRUE(length_groups({}, lengths, 32).empty());
+}
+
+// A micro-batch's loss and gradient are the sums of its length groups' (padding changes nothing).
+TEST_F(CartridgeTest, LossOfLengthGroupsSumsToTheWholeBatch) {
+  auto rows = next_token_data(4, config.vocab_size);
+  rows.lengths = at::tensor(std::vector<int64_t>{3, 10, 4, 9}, at::kLong);
+  auto valid = at::arange(10, at::kLong).unsqueeze(0) < (rows.lengths - 1).unsqueeze(1);
+  rows.target_mask = valid;
+  auto positions = valid.nonzero();
+  rows.topk_ids = rows.tokens.index({positions.select(1, 0), positions.select(1, 1) + 1}).unsqueeze(1).contiguous();
+  rows.topk_logprobs = at::zeros({rows.topk_ids.size(0), 1}, at::kFloat);
+  auto grads = [&](const std::vector<std::vector<int64_t>>& groups) {
+    auto params = CartridgeParams::from_prefix(prefix, 1);
+    double total = 0;
+    for (const auto& group : groups) {
+      auto [loss, count] = distillation_loss_sum(*model, params, rows, group, nullptr, 0);
+      loss.backward();
+      total += loss.item<double>();
     }
-    return total;
+    std::vector<at::Tensor> out{at::scalar_tensor(total)};
+    for (const auto& p : params.parameters()) out.push_back(p.grad().clone());
+    return out;
   };
-  auto random_order = at::randperm(n, at::kLong);
-  std::vector<int64_t> shuffled(random_order.data_ptr<int64_t>(), random_order.data_ptr<int64_t>() + n);
-  const int64_t real = lengths.sum().item<int64_t>();
-  EXPECT_LT(padded_rows(order) - real, (padded_rows(shuffled) - real) / 4);
-  // Steps are not sorted across the epoch: the first half holds long rows as well as short.
-  int64_t longest_first_half = 0;
-  for (int64_t i = 0; i < n / 2; ++i) longest_first_half = std::max(longest_first_half, lengths[order[i]].item<int64_t>());
-  EXPECT_GT(longest_first_half, 150);
+  auto groups = length_groups({0, 1, 2, 3}, rows.lengths, 4);  // {3, 4} and {9, 10}
+  ASSERT_EQ(groups.size(), 2u);
+  auto whole = grads({{0, 1, 2, 3}}), split = grads(groups);
+  for (size_t i = 0; i < whole.size(); ++i) EXPECT_TRUE(at::allclose(whole[i], split[i], 1e-4, 1e-5)) << i;
 }

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import cartridges_core
 from cartridges.selfstudy import Corpus, Synthesizer, TrainConfig, synthesize, training_data
-from cartridges.selfstudy.synthesize import length_groups
 from cartridges.training import train
 
 from .tiny import tiny_model
@@ -67,6 +67,7 @@ def test_teacher_topk_equals_window_in_context(model):
 
 
 def test_length_groups_split_short_rows_from_long_ones():
+    length_groups = cartridges_core.length_groups
     lengths = [5, 120, 6, 130, 7, 125, 4, 128]
     groups = length_groups(lengths)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))

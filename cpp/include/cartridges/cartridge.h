@@ -105,12 +105,18 @@ struct TrainOptions {
   int64_t total_steps(int64_t n) const;
 };
 
-// The order in which epoch `epoch` takes the N conversations of `lengths` ([N] int64): drawn
-// from (seed, epoch) alone, so a resumed run sees the batches of an uninterrupted one. A random
-// permutation is cut into pools of 16 steps of `per_step` rows; within a pool rows are sorted by
-// length, cut into steps, and the steps shuffled: a step's rows are a random draw of the data
-// of similar lengths, so little of a micro-batch is padding.
-std::vector<int64_t> training_order(const at::Tensor& lengths, int64_t per_step, int64_t seed, int64_t epoch);
+// The order in which epoch `epoch` takes N conversations: a permutation drawn from (seed,
+// epoch) alone, so a resumed run sees the batches of an uninterrupted one.
+std::vector<int64_t> training_order(int64_t n, int64_t seed, int64_t epoch);
+
+// `rows` (indices into `lengths`, [N] int64) split into groups of similar length for padded
+// forwards, the cheapest split of the rows sorted by length when a group costs its rows times
+// its longest row plus `overhead`. Self-study mixes short rows (cloze: a blank's few words) with
+// long ones (recall: 128 tokens); one padded micro-batch spent ~40% of training on padding.
+// Splitting a micro-batch instead of sorting the data keeps every step a random draw: steps of
+// only short rows (a few targets, yet a full Adam step) trained worse cartridges.
+std::vector<std::vector<int64_t>> length_groups(std::vector<int64_t> rows, const at::Tensor& lengths,
+                                                int64_t overhead);
 
 struct TrainProgress {
   int64_t step;   // optimizer steps done (1-based after the first)

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdio>
 #include <fstream>
 #include <iterator>
@@ -19,6 +20,9 @@ namespace {
 
 constexpr double kPi = 3.14159265358979323846;
 
+// What a forward call costs beyond its rows, in padded row tokens (when a micro-batch splits).
+constexpr int64_t kGroupOverhead = 32;
+
 std::vector<at::Tensor> list_of(const c10::Dict<std::string, at::Tensor>& dict, const std::string& name, size_t n) {
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < n; ++i) {
@@ -31,36 +35,30 @@ std::vector<at::Tensor> list_of(const c10::Dict<std::string, at::Tensor>& dict, 
 
 }  // namespace
 
-// A micro-batch is padded to its longest row, and self-study mixes short rows (cloze: a blank's
-// few words) with long ones (recall: 128 tokens): random micro-batches spent ~40% of training's
-// compute on padding. Sorting within pools of 16 steps takes that to a few percent.
-std::vector<int64_t> training_order(const at::Tensor& lengths, int64_t per_step, int64_t seed, int64_t epoch) {
-  constexpr int64_t kStepsPerPool = 16;
-  TORCH_CHECK(lengths.dim() == 1 && lengths.scalar_type() == at::kLong && per_step > 0,
-              "training_order: lengths must be [N] int64 and per_step positive");
-  const int64_t n = lengths.size(0);
+std::vector<int64_t> training_order(int64_t n, int64_t seed, int64_t epoch) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed) * 1000003ULL + epoch);
   auto perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
-  std::vector<int64_t> order(perm.data_ptr<int64_t>(), perm.data_ptr<int64_t>() + n);
+  return std::vector<int64_t>(perm.data_ptr<int64_t>(), perm.data_ptr<int64_t>() + n);
+}
+
+std::vector<std::vector<int64_t>> length_groups(std::vector<int64_t> rows, const at::Tensor& lengths,
+                                                int64_t overhead) {
   auto length = lengths.accessor<int64_t, 1>();
-  const int64_t pool = per_step * kStepsPerPool;
-  for (int64_t begin = 0; begin < n; begin += pool) {
-    const int64_t end = std::min(begin + pool, n);
-    std::stable_sort(order.begin() + begin, order.begin() + end,
-                     [&](int64_t a, int64_t b) { return length[a] < length[b]; });
-    const int64_t full_steps = (end - begin) / per_step;  // a last, shorter step stays last
-    if (full_steps < 2) continue;
-    auto step_order = at::randperm(full_steps, gen, at::TensorOptions().dtype(at::kLong));
-    auto picked = step_order.accessor<int64_t, 1>();
-    std::vector<int64_t> shuffled;
-    shuffled.reserve(full_steps * per_step);
-    for (int64_t i = 0; i < full_steps; ++i) {
-      auto first = order.begin() + begin + picked[i] * per_step;
-      shuffled.insert(shuffled.end(), first, first + per_step);
+  std::stable_sort(rows.begin(), rows.end(), [&](int64_t a, int64_t b) { return length[a] < length[b]; });
+  const size_t n = rows.size();
+  // best[j]: the cheapest cost of the first j sorted rows; cut[j]: where its last group starts.
+  std::vector<int64_t> best(n + 1, std::numeric_limits<int64_t>::max()), cut(n + 1, 0);
+  best[0] = 0;
+  for (size_t j = 1; j <= n; ++j) {
+    for (size_t i = 0; i < j; ++i) {
+      const int64_t cost = best[i] + static_cast<int64_t>(j - i) * length[rows[j - 1]] + overhead;
+      if (cost < best[j]) best[j] = cost, cut[j] = i;
     }
-    std::copy(shuffled.begin(), shuffled.end(), order.begin() + begin);
   }
-  return order;
+  std::vector<std::vector<int64_t>> groups;
+  for (size_t j = n; j > 0; j = cut[j]) groups.emplace_back(rows.begin() + cut[j], rows.begin() + j);
+  std::reverse(groups.begin(), groups.end());
+  return groups;
 }
 
 int64_t TrainOptions::total_steps(int64_t n) const {
@@ -160,7 +158,7 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
     const int64_t step = adam.steps();
     const int64_t epoch = step / steps_per_epoch, j = step % steps_per_epoch;
     if (epoch != order_epoch) {
-      order = training_order(data.lengths, per_step, options.seed, epoch);
+      order = training_order(n, options.seed, epoch);
       order_epoch = epoch;
     }
     const int64_t begin = j * per_step, end = std::min(begin + per_step, n);
@@ -174,12 +172,15 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
         break;
       }
       std::vector<int64_t> rows(order.begin() + mb, order.begin() + std::min(mb + options.batch_size, end));
-      ComputeLock turn;  // takes turns with the serving engine instead of oversubscribing cores
-      auto [loss_sum, count] =
-          distillation_loss_sum(model, params, data, rows, options.companion, options.companion_every);
-      auto loss = loss_sum / static_cast<double>(step_targets);
-      loss.backward();
-      step_loss += loss.item<double>();
+      // The micro-batch's gradient as the sum of its length groups' (the same sum, less padding).
+      for (const auto& group : length_groups(rows, data.lengths, kGroupOverhead)) {
+        ComputeLock turn;  // takes turns with the serving engine instead of oversubscribing cores
+        auto [loss_sum, count] =
+            distillation_loss_sum(model, params, data, group, options.companion, options.companion_every);
+        auto loss = loss_sum / static_cast<double>(step_targets);
+        loss.backward();
+        step_loss += loss.item<double>();
+      }
     }
     if (result.cancelled) {
       adam.zero_grad();  // the partial step is dropped

@@ -55,12 +55,29 @@ at::Tensor heads_first(const at::Tensor& t, int64_t kv_heads) {
   return t.view({rows, kv_heads, groups, -1}).permute({1, 0, 2, 3}).reshape({kv_heads, rows * groups, -1});
 }
 
+// prefill_part on CPU float32: ATen's fused attention (blocked, online softmax, GQA heads read
+// in place) instead of materialized scores, several times faster on long prompts. Its
+// log-sum-exp is the partial's max with a sum of 1 (o is then already normalized).
+PartialAttention prefill_part_fused_cpu(const at::Tensor& q_seq, const at::Tensor& k, const at::Tensor& v,
+                                        const PackedSequence& s) {
+  const int64_t n = q_seq.size(0), total = s.past + n;
+  auto rows = at::arange(n, at::kLong).view({n, 1});
+  auto cols = at::arange(total, at::kLong).view({1, total});
+  auto mask = at::zeros({n, total}, at::kFloat).masked_fill_(cols > rows + s.past, kNegInf);
+  auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+      q_seq.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), /*dropout_p=*/0.0, /*is_causal=*/false,
+      mask, /*scale=*/1.0);  // q comes scaled
+  auto m = lse.squeeze(0).transpose(0, 1);  // [n, H]
+  return {o.squeeze(0).transpose(0, 1), m, at::ones_like(m)};
+}
+
 // Own-KV attention of a multi-token sequence (prefill chunk), causal within its range.
 PartialAttention prefill_part(const at::Tensor& q_seq, const at::Tensor& keys, const at::Tensor& values,
                               const PackedSequence& s) {
   const int64_t n = q_seq.size(0), kv = keys.size(1), groups = q_seq.size(1) / kv, total = s.past + n;
   auto k = keys.narrow(0, s.kv_offset, total).transpose(0, 1);    // [Hkv, T, D]
   auto v = values.narrow(0, s.kv_offset, total).transpose(0, 1);  // [Hkv, T, D]
+  if (q_seq.device().is_cpu() && k.scalar_type() == at::kFloat) return prefill_part_fused_cpu(q_seq, k, v, s);
   auto qg = heads_first(q_seq, kv).to(k.scalar_type());            // [Hkv, n*G, D]
   auto scores = at::matmul(qg, k.transpose(-1, -2)).to(at::kFloat).view({kv, n, groups, total});
   auto rows = at::arange(n, at::TensorOptions().dtype(at::kLong).device(q_seq.device())).view({n, 1});

@@ -159,7 +159,8 @@ class Synthesizer:
         rows = [(p + a)[shared:] for p, a in zip(prompts, answers)]
         out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(rows)  # type: ignore[list-item]
         with torch.no_grad():
-            for group in length_groups([len(r) for r in rows]):
+            # Rows of similar length together: cloze rows have a few answer tokens, recall rows 128.
+            for group in cartridges_core.length_groups([len(r) for r in rows]):
                 tokens, lengths = _pad([rows[i] for i in group])
                 hidden = self.core.forward_hidden(tokens, num_new=lengths, prefixes=[prefixes] * len(group))
                 for row, i in enumerate(group):
@@ -215,28 +216,6 @@ class Synthesizer:
             for i, (ids, lp) in zip(rows, scored):
                 answers[i] = (written[i], ids, lp)
         return [Conversation(seeds[i][0], chunk_text, questions[i], *answers[i], window_text) for i in range(n)]
-
-
-def length_groups(lengths: Sequence[int], overhead: int = 32) -> list[list[int]]:
-    """Row indices split into groups of similar length for padded forwards: a group costs its
-    rows times its longest row, plus `overhead` rows' worth for the call. Self-study batches mix
-    cloze rows (a few answer tokens) with recall rows (128), so one padded forward spent about
-    40% of its compute on padding. The split is the cheapest one of the rows sorted by length
-    (exact, by dynamic programming over where each group ends)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    n = len(order)
-    best = [0] + [math.inf] * n  # best[j]: the cheapest cost of the first j sorted rows
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in range(j):  # the last group is order[i:j]; its longest row is order[j - 1]
-            cost = best[i] + (j - i) * lengths[order[j - 1]] + overhead
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    groups, j = [], n
-    while j > 0:
-        groups.append(order[cut[j] : j])
-        j = cut[j]
-    return groups[::-1]
 
 
 def loop_start(tokens: Sequence[int], max_period: int = 32, min_run: int = 12) -> int:
