@@ -6,10 +6,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <limits>
 
 #include "cartridges/cartridge.h"
 #include "cartridges/compute.h"
