@@ -37,7 +37,8 @@ def spread_tokens(corpus: Corpus, n: int, pieces: int = 8) -> list[int]:
 
 def init_params(model: Any, corpus: Corpus, config: TrainConfig) -> cartridges_core.CartridgeParams:
     """The trainable prefix before training: the KV of the first `num_tokens` corpus tokens
-    (fewer when the corpus is shorter), or of unrelated text repeated to `num_tokens`."""
+    (fewer when the corpus is shorter), of `num_tokens` tokens spread over it ("spread"), or
+    of unrelated text repeated to `num_tokens`."""
     if config.init == "corpus":
         tokens = corpus.tokens[: config.num_tokens]
     elif config.init == "spread":

@@ -169,7 +169,7 @@ at::Tensor segment_output(const at::Tensor& probs, const at::Tensor& seg_v) {
 at::Tensor attention_fused_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                                const PrefixList& segments, int64_t layer) {
   const auto batch = q.size(0), steps = q.size(2);
-  std::vector<at::Tensor> keys, values, masks;
+  std::vector<at::Tensor> keys, values;
   int64_t prefix_len = 0;
   for (const auto& prefix : segments) {
     keys.push_back(prefix->keys[layer].unsqueeze(0).expand({batch, -1, -1, -1}));
