@@ -69,7 +69,7 @@ QUICK_CONFIG = dict(num_samples=16, synthesis_batch_size=8, chunk_tokens=256,
 QUICK_QUESTIONS = 10
 # TrainConfig fields that change training but not synthesis.
 TRAINING_ONLY_FIELDS = {"lr", "epochs", "batch_size", "grad_accum", "cosine", "checkpoint_every", "companion_every",
-                        "num_frozen", "init", "num_tokens", "neighbour_fraction"}
+                        "num_frozen", "init", "num_tokens"}
 
 
 # -- documents ------------------------------------------------------------------------------
@@ -301,9 +301,6 @@ def get_cartridge(model, doc: Document, config: TrainConfig, directory: Path) ->
         print(f"[{doc.name}] training on the synthesized data of {data_path}", file=sys.stderr)
     else:
         print(f"[{doc.name}] synthesis ({conversations} conversations) and training", file=sys.stderr)
-    # Each document pays for the neighbour's conversations, as one `cartridges train` would
-    # (the process keeps them once made: selfstudy/neighbour.py).
-    model.__dict__.pop("_neighbours", None)
     cart = cartridges.train(model, [doc.text], config, progress=True, checkpoint=checkpoint, resume=True,
                             data=data, held_out=held_out)
     if data is None:
@@ -312,10 +309,9 @@ def get_cartridge(model, doc: Document, config: TrainConfig, directory: Path) ->
 
         held = cart.stats["held_out"]
         torch.save({"data": fields_of(cart.stats["data"]), "held_out": fields_of(held) if held is not None else None,
-                    "synthesis_s": cart.stats["synthesis_s"] - cart.stats["neighbour_s"]}, data_path)
+                    "synthesis_s": cart.stats["synthesis_s"]}, data_path)
     else:
-        # The corpus's synthesis as it took when first made, and the neighbour's of this run.
-        cart.stats["synthesis_s"] = torch.load(data_path, weights_only=True).get("synthesis_s") + cart.stats["neighbour_s"]
+        cart.stats["synthesis_s"] = torch.load(data_path, weights_only=True).get("synthesis_s")
     cart.save(path)
     stats = {k: v for k, v in cart.stats.items() if k not in ("data", "held_out")}  # tensors
     losses = stats.pop("losses")

@@ -40,36 +40,29 @@ void bind_training(py::module_& m) {
 
   py::class_<TrainingData>(m, "TrainingData")
       .def(py::init([](at::Tensor tokens, at::Tensor lengths, at::Tensor target_mask, at::Tensor topk_ids,
-                       at::Tensor topk_logprobs, std::optional<at::Tensor> with_companion) {
-             return TrainingData{tokens, lengths, target_mask, topk_ids, topk_logprobs,
-                                 with_companion.value_or(at::Tensor())};
+                       at::Tensor topk_logprobs) {
+             return TrainingData{tokens, lengths, target_mask, topk_ids, topk_logprobs};
            }),
            py::arg("tokens"), py::arg("lengths"), py::arg("target_mask"), py::arg("topk_ids"),
-           py::arg("topk_logprobs"), py::arg("with_companion") = py::none(),
-           "with_companion: [N] bool, the rows trained with TrainOptions.companion in front (None: no row)")
+           py::arg("topk_logprobs"))
       .def_readonly("tokens", &TrainingData::tokens)
       .def_readonly("lengths", &TrainingData::lengths)
       .def_readonly("target_mask", &TrainingData::target_mask)
       .def_readonly("topk_ids", &TrainingData::topk_ids)
       .def_readonly("topk_logprobs", &TrainingData::topk_logprobs)
-      .def_property_readonly("with_companion",
-                             [](const TrainingData& d) -> std::optional<at::Tensor> {
-                               if (!d.with_companion.defined()) return std::nullopt;
-                               return d.with_companion;
-                             })
       .def("validate", &TrainingData::validate, py::arg("vocab_size"));
 
   m.def(
       "distillation_loss_sum",
       [](const LlamaModel& model, const CartridgeParams& params, const TrainingData& data,
-         const std::vector<int64_t>& rows, std::shared_ptr<KVPrefix> companion) {
-        return distillation_loss_sum(model, params, data, rows, companion);
+         const std::vector<int64_t>& rows, std::shared_ptr<KVPrefix> companion, int64_t companion_every) {
+        return distillation_loss_sum(model, params, data, rows, companion, companion_every);
       },
       py::arg("model"), py::arg("params"), py::arg("data"),
-        py::arg("rows"), py::arg("companion") = nullptr,
+        py::arg("rows"), py::arg("companion") = nullptr, py::arg("companion_every") = 0,
         py::call_guard<py::gil_scoped_release>(),
         "(loss summed over the rows' targets, differentiable w.r.t. params' trainable tensors; target count). "
-        "Rows flagged in data.with_companion have `companion` in front of the cartridge.");
+        "Rows r with r % companion_every == 0 have `companion` in front of the cartridge.");
 
   py::class_<Adam>(m, "Adam")
       .def(py::init([](std::vector<at::Tensor> params, double lr, double beta1, double beta2, double eps) {
@@ -96,7 +89,8 @@ void bind_training(py::module_& m) {
       .def_property(
           "companion", [](const TrainOptions& o) { return std::const_pointer_cast<KVPrefix>(o.companion); },
           [](TrainOptions& o, std::shared_ptr<KVPrefix> p) { o.companion = std::move(p); },
-          "the prefix in front of the cartridge for the rows flagged in TrainingData.with_companion")
+          "a prefix put in front of the cartridge for every companion_every-th conversation (None: never)")
+      .def_readwrite("companion_every", &TrainOptions::companion_every)
       .def("total_steps", &TrainOptions::total_steps, py::arg("num_conversations"));
 
   py::class_<TrainProgress>(m, "TrainProgress")

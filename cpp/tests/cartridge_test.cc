@@ -152,7 +152,7 @@ TEST_F(CartridgeTest, LossOfLengthGroupsSumsToTheWholeBatch) {
     auto params = CartridgeParams::from_prefix(prefix, 1);
     double total = 0;
     for (const auto& group : groups) {
-      auto [loss, count] = distillation_loss_sum(*model, params, rows, group);
+      auto [loss, count] = distillation_loss_sum(*model, params, rows, group, nullptr, 0);
       loss.backward();
       total += loss.item<double>();
     }

@@ -17,7 +17,6 @@ from .cartridge import Cartridge, core_model, model_fingerprint
 from .quality import copy_params, quality_report
 from .selfstudy import Corpus, TrainConfig, next_token_data, synthesize, training_data
 from .selfstudy.checkpoint import load_conversations, save_conversations
-from .selfstudy.neighbour import make_neighbour, neighbour_samples, with_neighbour
 from .selfstudy.prompts import UNRELATED_TEXT
 
 
@@ -50,6 +49,13 @@ def init_params(model: Any, corpus: Corpus, config: TrainConfig) -> cartridges_c
         raise ValueError(f"a cartridge needs more than num_frozen={config.num_frozen} tokens; the corpus has {len(tokens)}")
     prefix = core_model(model).prefix_from_tokens(torch.tensor(tokens, dtype=torch.long))
     return cartridges_core.CartridgeParams(prefix, config.num_frozen)
+
+
+def companion_fits(core: Any, config: TrainConfig, params: cartridges_core.CartridgeParams) -> bool:
+    """Whether conversations are trained behind a companion (config.companion_every): only when
+    the two prefixes take at most half the model's context, leaving the rest to conversations
+    (a cartridge that long is not meant to be composed)."""
+    return bool(config.companion_every) and 4 * params.num_tokens <= core.config.max_position_embeddings
 
 
 class TrainingCancelled(Exception):
@@ -198,21 +204,17 @@ def train(
     quality = None
     try:
         params = init_params(model, corpus, config)
-        t0 = time.perf_counter()  # synthesis: the neighbour's conversations (made once per process) and the corpus's
-        neighbour = None
-        if config.companion_every or config.neighbour_fraction:
-            neighbour = make_neighbour(model, config, neighbour_samples(config), params.num_tokens)
-        t_neighbour = time.perf_counter() - t0
-        # Conversations trained behind the neighbour have both prefixes in front.
-        prefix_tokens = params.num_tokens + (neighbour.companion.num_tokens if neighbour is not None else 0)
         data_path = Path(f"{checkpoint}.data.pt") if checkpoint is not None else None
         synthesis_path = Path(f"{checkpoint}.synthesis.pt") if checkpoint is not None else None
+        t0 = time.perf_counter()
         if resume and data_path is not None and data_path.exists():
             saved = torch.load(data_path, weights_only=True)
             held = saved.pop("held_out", None)
             data = cartridges_core.TrainingData(**saved)
             held_out = cartridges_core.TrainingData(**held) if held is not None else None
         elif data is None:
+            # Conversations trained behind the companion have both prefixes in front.
+            prefix_tokens = params.num_tokens * (2 if companion_fits(core, config, params) else 1)
             data, held_out = prepare_datasets(model, corpus, config, prefix_tokens, bar.update,
                                               synthesis_checkpoint=synthesis_path, resume=resume, cancel=cancel)
         if data_path is not None and not (resume and data_path.exists()):
@@ -225,8 +227,6 @@ def train(
             if synthesis_path is not None:
                 synthesis_path.unlink(missing_ok=True)  # the data supersedes it
         t1 = time.perf_counter()
-        # The neighbour joins here, not in the saved data: it is the same for every corpus.
-        train_data = with_neighbour(data, neighbour, config.companion_every) if neighbour is not None else data
 
         options = cartridges_core.TrainOptions()
         options.lr = config.lr
@@ -235,18 +235,21 @@ def train(
         options.grad_accum = config.grad_accum
         options.cosine = config.cosine
         options.seed = config.seed
-        if neighbour is not None:
-            options.companion = neighbour.companion
+        if companion_fits(core, config, params):
+            # The stand-in for another cartridge in front: KV of unrelated text, as long as this one.
+            companion = unrelated_tokens(model, params.num_tokens)
+            options.companion = core.prefix_from_tokens(torch.tensor(companion, dtype=torch.long))
+            options.companion_every = config.companion_every
         if checkpoint is not None:
             options.checkpoint_path = str(checkpoint)
-            options.checkpoint_every = config.checkpoint_every or options.total_steps(train_data.tokens.shape[0])
+            options.checkpoint_every = config.checkpoint_every or options.total_steps(data.tokens.shape[0])
             options.resume = resume
 
         def report(p: cartridges_core.TrainProgress) -> None:
             bar.update("training", p.step, p.total, p.loss)
 
         init = copy_params(params) if held_out is not None else None
-        result = cartridges_core.train_cartridge(core, params, train_data, options, report, cancel)
+        result = cartridges_core.train_cartridge(core, params, data, options, report, cancel)
         t2 = time.perf_counter()
         if init is not None and not result.cancelled:
             quality = quality_report(core, params, init, held_out, config.batch_size)
@@ -260,8 +263,7 @@ def train(
         "cancelled": result.cancelled,
         "num_conversations": int(data.tokens.shape[0]),
         "num_target_tokens": int(data.topk_ids.shape[0]),
-        "synthesis_s": t1 - t0,  # the neighbour's included
-        "neighbour_s": t_neighbour,  # 0 when this process had made it before
+        "synthesis_s": t1 - t0,
         "training_s": t2 - t1,
         "quality_s": t3 - t2,
         "quality": quality,

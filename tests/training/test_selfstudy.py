@@ -85,8 +85,8 @@ def test_each_teacher_window_is_computed_once(model, monkeypatch):
     windows = [v.window for v in plan]
     assert len(set(windows)) > 1 and len(set(windows)) < sum(a != b for a, b in zip(windows, windows[1:])) + 1
     computed = []
-    original = Synthesizer.system_kv
-    monkeypatch.setattr(Synthesizer, "system_kv", lambda self, text: computed.append(text) or original(self, text))
+    original = Synthesizer._system_kv
+    monkeypatch.setattr(Synthesizer, "_system_kv", lambda self, text: computed.append(text) or original(self, text))
     conversations = synthesize(model, corpus, config)
     assert len(conversations) == 36
     assert len(computed) == len(set(windows)) == len(set(computed))  # written conversations: B's windows only

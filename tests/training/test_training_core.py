@@ -175,19 +175,15 @@ def test_bad_training_data_is_refused(model):
         cartridges_core.train_cartridge(model.core, prefix_params(model), bad, options())
 
 
-def test_companion_stands_in_front_of_the_flagged_conversations(model):
-    """Rows flagged in data.with_companion are trained with the companion's KV before the
+def test_companion_stands_in_front_of_every_nth_conversation(model):
+    """Rows r with r % companion_every == 0 are trained with the companion's KV before the
     cartridge (composition), the others with the cartridge alone: loss and gradient as plain
     PyTorch computes them with those prefixes."""
-    plain_data = random_data(model.config.vocab_size)
-    flags = torch.arange(plain_data.tokens.shape[0]) % 2 == 0
-    data = cartridges_core.TrainingData(plain_data.tokens, plain_data.lengths, plain_data.target_mask,
-                                        plain_data.topk_ids, plain_data.topk_logprobs, flags)
-    assert torch.equal(data.with_companion, flags) and plain_data.with_companion is None
+    data = random_data(model.config.vocab_size)
     params = prefix_params(model)
     companion = model.core.prefix_from_tokens(torch.tensor([40, 41, 42, 43, 44], dtype=torch.long))
     rows = [3, 0, 4, 1, 2]
-    loss, count = cartridges_core.distillation_loss_sum(model.core, params, data, rows, companion)
+    loss, count = cartridges_core.distillation_loss_sum(model.core, params, data, rows, companion, 2)
     assert count == int(data.target_mask[rows].sum())
     loss.backward()
 
@@ -203,13 +199,6 @@ def test_companion_stands_in_front_of_the_flagged_conversations(model):
     torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-5)
     for got, want in zip((*params.trainable_keys, *params.trainable_values), ref_trainable):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-6)
-    # Without the flags, the same rows give another loss: the companion is really in front.
-    plain, _ = cartridges_core.distillation_loss_sum(model.core, params, plain_data, rows, companion)
+    # Without the companion, the same rows give another loss: it is really in front.
+    plain, _ = cartridges_core.distillation_loss_sum(model.core, params, data, rows)
     assert abs(float(plain.detach()) - float(loss.detach())) > 1e-4
-    # Flagged rows with no companion to put in front are an error, not trained alone.
-    with pytest.raises(RuntimeError, match="companion"):
-        cartridges_core.distillation_loss_sum(model.core, params, data, rows)
-    bad = cartridges_core.TrainingData(plain_data.tokens, plain_data.lengths, plain_data.target_mask,
-                                       plain_data.topk_ids, plain_data.topk_logprobs, flags[:-1])
-    with pytest.raises(RuntimeError, match="with_companion"):
-        cartridges_core.train_cartridge(model.core, prefix_params(model), bad, options())

@@ -41,9 +41,6 @@ struct TrainingData {
   at::Tensor target_mask;    // [N, S] bool: position s is trained to predict tokens[n, s + 1]
   at::Tensor topk_ids;       // [T, K] int64, T = target_mask.sum(), row-major order of the mask
   at::Tensor topk_logprobs;  // [T, K] float32, the teacher's log-probabilities of topk_ids
-  // [N] bool, optional (undefined: no row): rows trained with TrainOptions::companion in front
-  // of the cartridge (composition, see distillation_loss_sum).
-  at::Tensor with_companion;
 
   int64_t size() const { return tokens.size(0); }
   // Raises c10::Error naming the first inconsistency.
@@ -54,11 +51,12 @@ struct TrainingData {
 // the student = `model` with `params` in front (no cache). p_teacher = exp(topk_logprobs),
 // NOT renormalized over the top k (the mass the teacher puts elsewhere is ignored, as in the
 // original research code). Returns (loss sum, number of target positions).
-// Rows flagged in data.with_companion have `companion` in front of the cartridge, as another
-// context would be when several are composed: their positions start after both.
+// With a `companion`, rows r with r % companion_every == 0 have it in front of the cartridge, as
+// another cartridge would be when several are composed: their positions start after both.
 std::pair<at::Tensor, int64_t> distillation_loss_sum(const LlamaModel& model, const CartridgeParams& params,
                                                      const TrainingData& data, const std::vector<int64_t>& rows,
-                                                     const PrefixPtr& companion = nullptr);
+                                                     const PrefixPtr& companion = nullptr,
+                                                     int64_t companion_every = 0);
 
 struct AdamOptions {
   double lr = 2e-2;
@@ -98,9 +96,10 @@ struct TrainOptions {
   std::string checkpoint_path;  // empty: no checkpoints
   int64_t checkpoint_every = 0; // steps between checkpoints (and one at the end); 0: never
   bool resume = false;          // start from checkpoint_path when it exists
-  // Composition: the rows flagged in TrainingData::with_companion are trained with `companion`
-  // (another context) in front, so that the cartridge keeps working composed.
+  // Composition: conversations r with r % companion_every == 0 are trained with `companion` (a
+  // stand-in for another cartridge) in front, so that the cartridge keeps working composed.
   PrefixPtr companion;
+  int64_t companion_every = 0;  // 0: never
 
   // Optimizer steps of the whole run for `n` conversations.
   int64_t total_steps(int64_t n) const;

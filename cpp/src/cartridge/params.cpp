@@ -67,14 +67,11 @@ void TrainingData::validate(int64_t vocab_size) const {
               "TrainingData: topk_ids outside the vocabulary of ", vocab_size);
   TORCH_CHECK(tokens.min().item<int64_t>() >= 0 && tokens.max().item<int64_t>() < vocab_size,
               "TrainingData: tokens outside the vocabulary of ", vocab_size);
-  TORCH_CHECK(!with_companion.defined() || (with_companion.dim() == 1 && with_companion.size(0) == N &&
-                                             with_companion.scalar_type() == at::kBool),
-              "TrainingData: with_companion must be [N] bool");
 }
 
 std::pair<at::Tensor, int64_t> distillation_loss_sum(const LlamaModel& model, const CartridgeParams& params,
                                                      const TrainingData& data, const std::vector<int64_t>& rows,
-                                                     const PrefixPtr& companion) {
+                                                     const PrefixPtr& companion, int64_t companion_every) {
   TORCH_CHECK(!rows.empty(), "distillation_loss_sum: no rows");
   TORCH_CHECK(params.num_layers() == model.config().num_layers, "distillation_loss_sum: the cartridge has ",
               params.num_layers(), " layers, the model ", model.config().num_layers);
@@ -103,12 +100,9 @@ std::pair<at::Tensor, int64_t> distillation_loss_sum(const LlamaModel& model, co
 
   PrefixPtr prefix = std::make_shared<KVPrefix>(params.to_prefix(model.dtype(), device, /*detach=*/false));
   std::vector<PrefixList> prefixes(B, PrefixList{prefix});
-  if (data.with_companion.defined()) {
-    auto flagged = data.with_companion.accessor<bool, 1>();
+  if (companion && companion_every > 0) {
     for (int64_t i = 0; i < B; ++i) {
-      if (!flagged[rows[i]]) continue;
-      TORCH_CHECK(companion, "distillation_loss_sum: row ", rows[i], " is to be trained with a companion, and none was given");
-      prefixes[i] = PrefixList{companion, prefix};
+      if (rows[i] % companion_every == 0) prefixes[i] = PrefixList{companion, prefix};
     }
   }
   ForwardBatch batch{tokens, lengths, std::move(prefixes)};

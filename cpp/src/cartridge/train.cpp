@@ -176,7 +176,7 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
       for (const auto& group : length_groups(rows, data.lengths, kGroupOverhead)) {
         ComputeLock turn;  // takes turns with the serving engine instead of oversubscribing cores
         auto [loss_sum, count] =
-            distillation_loss_sum(model, params, data, group, options.companion);
+            distillation_loss_sum(model, params, data, group, options.companion, options.companion_every);
         auto loss = loss_sum / static_cast<double>(step_targets);
         loss.backward();
         step_loss += loss.item<double>();

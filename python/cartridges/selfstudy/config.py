@@ -87,18 +87,10 @@ class TrainConfig:
     cosine: bool = True
     """Cosine decay of the learning rate to 0 over the run."""
     companion_every: int = 3
-    """Composition: every companion_every-th conversation is trained with the neighbour (a
-    built-in text that stands for another context, `selfstudy/neighbour.py`) in front, as
-    another cartridge would be when composed, so that the cartridge keeps answering beside it.
-    0: never."""
-    neighbour_fraction: float = 0.25
-    """Composition: conversations about the neighbour, as a share of num_samples, trained with
-    its context in front of the cartridge toward a teacher that read only the neighbour: the
-    cartridge learns to leave questions about other contexts alone. Without them a trained
-    cartridge draws other documents' questions to itself and, composed, takes their cartridges'
-    gain away (benchmarks/README.md). Made once per process, whatever the corpus. 0: none.
-    The neighbour is left out (both kinds) when it and the cartridge would take more than half
-    the model's context."""
+    """Composition: every companion_every-th conversation is trained with a stand-in for another
+    cartridge in front (the KV of unrelated text, as long as this cartridge), as it would be
+    when composed with another, so that it keeps working then. Left out when the two would take
+    more than half the model's context. 0: never."""
     checkpoint_every: int = 0
     """Optimizer steps between checkpoints when train() gets a checkpoint path (0: only at the end)."""
     seed: int = 0
@@ -120,8 +112,6 @@ class TrainConfig:
             raise ValueError("written_fraction must be in [0, 1]")
         if self.companion_every < 0:
             raise ValueError("companion_every must be non-negative (0: never)")
-        if not 0.0 <= self.neighbour_fraction <= 1.0:
-            raise ValueError("neighbour_fraction must be in [0, 1]")
         if self.teacher_tokens < 0:
             raise ValueError("teacher_tokens must be non-negative (0: the teacher sees the chunk alone)")
         if not 0 <= self.num_frozen < self.num_tokens:

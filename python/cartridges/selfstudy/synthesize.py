@@ -110,7 +110,7 @@ class Synthesizer:
     def random_view(self, corpus: Corpus, rng: random.Random) -> BatchView:
         return random_view(len(corpus), self.chunk_tokens, self.window_tokens, rng)
 
-    def system_kv(self, document: str) -> tuple[cartridges_core.KVPrefix, int]:
+    def _system_kv(self, document: str) -> tuple[cartridges_core.KVPrefix, int]:
         """The KV of the prompt part that holds `document` (the same for every user message)."""
         probes = [self.prompt(document, "A"), self.prompt(document, "B")]
         shared = common_prefix_len(probes)
@@ -123,7 +123,7 @@ class Synthesizer:
             self._windows.move_to_end(window)
             return self._windows[window]
         text = self.tok.decode(corpus.tokens[window.start : window.end])
-        self._windows[window] = (text, *self.system_kv(text))
+        self._windows[window] = (text, *self._system_kv(text))
         while len(self._windows) > 1 and sum(kv.nbytes for _, kv, _ in self._windows.values()) > WINDOW_CACHE_BYTES:
             self._windows.popitem(last=False)
         return self._windows[window]
@@ -192,7 +192,7 @@ class Synthesizer:
         answers: dict[int, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
         if asked:
             # The chunk's KV, once for the batch (the window's when A and B read the same).
-            chunk_kv = (window_kv, window_shared) if view.chunk == view.window else self.system_kv(chunk_text)
+            chunk_kv = (window_kv, window_shared) if view.chunk == view.window else self._system_kv(chunk_text)
             a_params = dict(temperature=cfg.question_temperature, max_new_tokens=cfg.max_question_tokens)
             a_results = self._generate([self.prompt(chunk_text, seeds[i][1]) for i in asked], chunk_kv,
                                        [a_seeds[i] for i in asked], a_params)
@@ -304,21 +304,15 @@ def student_tokens(tokenizer, question: str) -> list[int]:
 def training_data(model, conversations: Sequence[Conversation], prefix_tokens: int) -> cartridges_core.TrainingData:
     """Conversations as the student sees them (no chunk), right-padded, with the teacher's
     top-k at each answer token. Answers are cut so that prefix + conversation fit the context."""
-    prompts = [student_tokens(model.tokenizer, c.question) for c in conversations]
-    return padded_data(prompts, conversations, context=core_model(model).config.max_position_embeddings - prefix_tokens)
-
-
-def padded_data(prompts: Sequence[Sequence[int]], conversations: Sequence[Conversation],
-                context: int) -> cartridges_core.TrainingData:
-    """Each prompt followed by its conversation's answer, right-padded, the teacher's top-k at
-    each answer token; answers cut so that a row holds at most `context` tokens (a row with no
-    room for one answer token is left out)."""
+    context = core_model(model).config.max_position_embeddings
     rows, targets_ids, targets_lp, spans = [], [], [], []
-    for prompt, c in zip(prompts, conversations):
-        n = min(len(c.answer), context - len(prompt))
-        if n < 1:
+    for c in conversations:
+        prompt = student_tokens(model.tokenizer, c.question)
+        room = context - prefix_tokens - len(prompt)
+        if room < 1:
             continue
-        rows.append(list(prompt) + c.answer[:n])
+        n = min(len(c.answer), room)
+        rows.append(prompt + c.answer[:n])
         spans.append((len(prompt) - 1, n))
         targets_ids.append(c.topk_ids[:n])
         targets_lp.append(c.topk_logprobs[:n])
