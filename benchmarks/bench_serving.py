@@ -124,11 +124,17 @@ def documents(model: Model, users: int, doc_tokens: int, questions: int, cartrid
     per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * (2 if model.dtype == "bfloat16" else 4)
     question_len = max(len(a) for row in asks for a in row)
     results = {}
+    labels = {"a": "(a) document in prompt", "b": "(b) document KV reused", "c": f"(c) {cartridge_tokens}-token cartridge"}
+
+    def report(key: str) -> None:  # as each part ends: (a) alone takes half an hour at 16 x 4000 on 2 cores
+        timings, wall, kv = results[key]
+        print(timings.line(labels[key], wall) + f"   KV/user {kv / 2**20:6.1f} MiB", flush=True)
 
     # (a) the document in every prompt
     timings = Timings()
     wall = asyncio.run(clients_run(engine, [[d + a for a in row] for d, row in zip(docs, asks)], timings, **kwargs))
     results["a"] = (timings, wall, (doc_tokens + question_len + new_tokens) * per_token)
+    report("a")
 
     # (b) the document's KV once per user (computed inside the timed run), reused as a prefix
     async def with_prefix(make_prefix):
@@ -146,15 +152,13 @@ def documents(model: Model, users: int, doc_tokens: int, questions: int, cartrid
     document_kv = lambda doc: model.core.prefix_from_tokens(torch.tensor(doc))  # noqa: E731
     timings, wall = asyncio.run(with_prefix(document_kv))
     results["b"] = (timings, wall, (doc_tokens + question_len + new_tokens) * per_token)
+    report("b")
 
     # (c) a cartridge per user, made before the run (training is not serving)
     carts = {id(d): model.core.prefix_from_tokens(torch.tensor(d[:cartridge_tokens])) for d in docs}
     timings, wall = asyncio.run(with_prefix(lambda doc: carts[id(doc)]))
     results["c"] = (timings, wall, (cartridge_tokens + question_len + new_tokens) * per_token)
-
-    labels = {"a": "(a) document in prompt", "b": "(b) document KV reused", "c": f"(c) {cartridge_tokens}-token cartridge"}
-    for key, (timings, wall, kv) in results.items():
-        print(timings.line(labels[key], wall) + f"   KV/user {kv / 2**20:6.1f} MiB")
+    report("c")
     tput = {k: t.tokens / w for k, (t, w, _) in results.items()}
     print(f"throughput (c)/(a) = {tput['c'] / tput['a']:.1f}x   (c)/(b) = {tput['c'] / tput['b']:.1f}x")
 
