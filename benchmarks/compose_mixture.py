@@ -1,0 +1,82 @@
+"""Composition by mixture, measured offline against composition by concatenation.
+
+Two documents' cartridges (the suite's, trained with the defaults or taken from
+--cartridge-dir) answer each document's questions in three ways, scored like the suite
+(log-likelihood of the gold answers, teacher-forced) as the fraction of the single-cartridge
+gain kept:
+- concatenated: both cartridges' KV in front of one sequence (what the engine does today);
+- uniform mixture: each cartridge on its own sequence, next-token probabilities averaged;
+- Bayesian mixture: the same, each cartridge weighted by the likelihood it gave to everything
+  before the token (chat template, question, answer so far).
+
+    python benchmarks/compose_mixture.py --compose narrative,manual --cartridge-dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+import cartridges
+from cartridges.selfstudy import TrainConfig
+from eval_cartridge import chat_prompts, get_cartridge, load_document, names_list, parse_overrides
+
+
+def token_logprobs(model, tokens: list[int], prefixes: list) -> torch.Tensor:
+    """log p(x_t | x_<t) for t >= 1, with `prefixes` in front."""
+    with torch.no_grad():
+        logits = model.core.forward(torch.tensor([tokens]), prefixes=[prefixes] if prefixes else None)[0]
+    logp = torch.log_softmax(logits[:-1].float(), -1)
+    return logp.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+
+
+def bayes_mixture(per_cartridge: torch.Tensor) -> torch.Tensor:
+    """[C, T] log-probabilities of each token under each cartridge -> [T] under the mixture whose
+    weights are each cartridge's likelihood of the tokens before (uniform prior)."""
+    before = torch.cat([torch.zeros(per_cartridge.shape[0], 1), per_cartridge.cumsum(1)[:, :-1]], 1)
+    log_weights = before - torch.logsumexp(before, 0, keepdim=True)
+    return torch.logsumexp(log_weights + per_cartridge, 0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--compose", type=names_list, default=["narrative", "manual"], metavar="A,B")
+    parser.add_argument("--cartridge-dir", type=Path, default=Path("benchmarks/.cartridges"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = cartridges.load_model()
+    config = TrainConfig(**parse_overrides(args.overrides))
+    docs = {n: load_document(n) for n in args.compose}
+    carts = {n: get_cartridge(model, docs[n], config, args.cartridge_dir)[0].prefix(model) for n in args.compose}
+    for name in args.compose:
+        questions = docs[name].questions
+        prompts = chat_prompts(model, questions, None)
+        totals = dict.fromkeys(("none", "single", "concatenated", "uniform", "bayes"), 0.0)
+        answer_tokens = 0
+        for prompt, question in zip(prompts, questions):
+            answer = model.tokenizer.encode(question.answer)
+            tokens = prompt + answer
+            at = slice(len(prompt) - 1, len(tokens) - 1)  # the positions that predict the answer
+            each = torch.stack([token_logprobs(model, tokens, [carts[n]]) for n in args.compose])
+            totals["none"] += float(token_logprobs(model, tokens, [])[at].sum())
+            totals["single"] += float(each[args.compose.index(name), at].sum())
+            totals["concatenated"] += float(token_logprobs(model, tokens, list(carts.values()))[at].sum())
+            totals["uniform"] += float((torch.logsumexp(each, 0) - math.log(len(carts)))[at].sum())
+            totals["bayes"] += float(bayes_mixture(each)[at].sum())
+            answer_tokens += len(answer)
+        per_token = {k: v / answer_tokens for k, v in totals.items()}
+        gain = per_token["single"] - per_token["none"]
+        kept = {k: (per_token[k] - per_token["none"]) / gain for k in ("concatenated", "uniform", "bayes")}
+        print(f"{name}: single gain {gain:.3f} nats/token; kept: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in kept.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
