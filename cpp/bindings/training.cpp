@@ -135,7 +135,7 @@ void bind_training(py::module_& m) {
         for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int64_t>(i);
         return length_groups(rows, at::tensor(lengths, at::kLong), overhead);
       },
-      py::arg("lengths"), py::arg("overhead") = 32,
+      py::arg("lengths"), py::arg("overhead") = kLengthGroupOverhead,
       "Row indices split into groups of similar length for padded forwards: the cheapest split of the rows "
       "sorted by length when a group costs its rows times its longest row plus `overhead`.");
 }

@@ -115,6 +115,9 @@ std::vector<int64_t> training_order(int64_t n, int64_t seed, int64_t epoch);
 // long ones (recall: 128 tokens): ~30% of the rows of random padded micro-batches were padding.
 // Splitting a micro-batch instead of sorting the data keeps every step a random draw: steps of
 // only short rows (a few targets, yet a full Adam step) trained worse cartridges.
+// What a forward call costs beyond its rows, in padded row tokens: training's micro-batches and
+// the teacher's scoring (through the binding's default) split with it.
+constexpr int64_t kLengthGroupOverhead = 32;
 std::vector<std::vector<int64_t>> length_groups(std::vector<int64_t> rows, const at::Tensor& lengths,
                                                 int64_t overhead);
 

@@ -20,9 +20,6 @@ namespace {
 
 constexpr double kPi = 3.14159265358979323846;
 
-// What a forward call costs beyond its rows, in padded row tokens (when a micro-batch splits).
-constexpr int64_t kGroupOverhead = 32;
-
 std::vector<at::Tensor> list_of(const c10::Dict<std::string, at::Tensor>& dict, const std::string& name, size_t n) {
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < n; ++i) {
@@ -173,7 +170,7 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
       }
       std::vector<int64_t> rows(order.begin() + mb, order.begin() + std::min(mb + options.batch_size, end));
       // The micro-batch's gradient as the sum of its length groups' (the same sum, less padding).
-      for (const auto& group : length_groups(rows, data.lengths, kGroupOverhead)) {
+      for (const auto& group : length_groups(rows, data.lengths, kLengthGroupOverhead)) {
         ComputeLock turn;  // takes turns with the serving engine instead of oversubscribing cores
         auto [loss_sum, count] =
             distillation_loss_sum(model, params, data, group, options.companion, options.companion_every);
