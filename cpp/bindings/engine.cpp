@@ -40,6 +40,10 @@ void bind_engine(py::module_& m) {
       .value("INTERACTIVE", Priority::kInteractive)
       .value("BACKGROUND", Priority::kBackground);
 
+  py::enum_<Composition>(m, "Composition", "How several cartridges of one request are composed.")
+      .value("CONCATENATE", Composition::kConcatenate)
+      .value("MIXTURE", Composition::kMixture);
+
   py::class_<EngineOptions>(m, "EngineOptions")
       .def(py::init<>())
       .def_readwrite("kv_tokens", &EngineOptions::kv_tokens)
@@ -99,22 +103,26 @@ void bind_engine(py::module_& m) {
       .def(
           "submit",
           [](Engine& e, std::vector<int64_t> prompt, const PyPrefixList& prefixes, const SamplingParams& params,
-             Priority priority) {
-            Request r{std::move(prompt), to_const(prefixes), params, priority};
+             Priority priority, Composition composition) {
+            Request r{std::move(prompt), to_const(prefixes), params, priority, composition};
             py::gil_scoped_release release;
             return e.submit(std::move(r));
           },
-          py::arg("prompt"), py::arg("prefixes"), py::arg("params"), py::arg("priority") = Priority::kInteractive)
+          py::arg("prompt"), py::arg("prefixes"), py::arg("params"), py::arg("priority") = Priority::kInteractive,
+          py::arg("composition") = Composition::kConcatenate)
       .def(
           "submit_all",
           [](Engine& e, std::vector<std::tuple<std::vector<int64_t>, PyPrefixList, SamplingParams>> requests,
-             Priority priority) {
+             Priority priority, Composition composition) {
             std::vector<Request> rs;
-            for (auto& [prompt, prefixes, params] : requests) rs.push_back({prompt, to_const(prefixes), params, priority});
+            for (auto& [prompt, prefixes, params] : requests) {
+              rs.push_back({prompt, to_const(prefixes), params, priority, composition});
+            }
             py::gil_scoped_release release;
             return e.submit_all(std::move(rs));
           },
           py::arg("requests"), py::arg("priority") = Priority::kInteractive,
+          py::arg("composition") = Composition::kConcatenate,
           "Queues [(prompt, prefixes, params)] at once (all or none); returns their ids.")
       .def("cancel", &Engine::cancel, py::arg("id"), py::call_guard<py::gil_scoped_release>())
       .def("poll", &Engine::poll, py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),

@@ -64,6 +64,18 @@ std::map<int64_t, GenerationResult> drain(Engine& engine, std::set<int64_t> pend
   return out;
 }
 
+// The token events of request `id` (others are dropped) until it finishes.
+std::vector<Event> token_events(Engine& engine, int64_t id) {
+  std::vector<Event> tokens;
+  for (bool done = false; !done;) {
+    for (auto& e : engine.poll(std::chrono::milliseconds(100))) {
+      if (e.request == id && e.kind == Event::Kind::kToken) tokens.push_back(e);
+      done = done || (e.request == id && e.kind == Event::Kind::kFinished);
+    }
+  }
+  return tokens;
+}
+
 }  // namespace
 
 TEST_F(EngineTest, RequestsJoiningAtAnyStepGetWhatTheyGetAlone) {
@@ -73,7 +85,9 @@ TEST_F(EngineTest, RequestsJoiningAtAnyStepGetWhatTheyGetAlone) {
       greedy(random_tokens(3), 12),           greedy(random_tokens(20), 8, {a}),
       greedy(random_tokens(6), 10, {a, b}),   greedy(random_tokens(11), 9, {b}),
       greedy(random_tokens(2), 14, {a}),      greedy(random_tokens(40), 5),  // longer than a prefill step
+      greedy(random_tokens(30), 7, {a, b}),   // a mixture: two sequences, prompt scored in chunks
   };
+  requests.back().composition = Composition::kMixture;
   EngineOptions options;
   options.prefill_tokens_per_step = 16;
   Engine engine(model, options);
@@ -149,14 +163,7 @@ TEST_F(EngineTest, LogProbabilitiesEqualAFullForward) {
   auto doc = random_tokens(6);
   auto r = greedy(random_tokens(5), 6, {prefix(doc)});
   r.params.logprobs = 5;
-  const auto id = engine.submit(r);
-  std::vector<Event> tokens;
-  for (bool done = false; !done;) {
-    for (auto& e : engine.poll(std::chrono::milliseconds(100))) {
-      if (e.kind == Event::Kind::kToken) tokens.push_back(e);
-      done = done || (e.request == id && e.kind == Event::Kind::kFinished);
-    }
-  }
+  const auto tokens = token_events(engine, engine.submit(r));
   ASSERT_EQ(tokens.size(), 6u);
   std::vector<int64_t> seq = doc;
   seq.insert(seq.end(), r.prompt.begin(), r.prompt.end());
@@ -231,4 +238,53 @@ TEST_F(EngineTest, ThreadCountChangesBetweenStepsWithoutDisturbingRequests) {
   EXPECT_EQ(results[id].tokens, alone(r).tokens);
   engine.set_num_threads(0);
   EXPECT_EQ(engine.num_threads(), 1);  // at least one
+}
+
+TEST_F(EngineTest, MixtureOfOneCartridgeTwiceIsThatCartridge) {
+  auto a = prefix(random_tokens(6));
+  auto single = greedy(random_tokens(9), 10, {a});
+  auto twice = single;
+  twice.prefixes = {a, a};
+  twice.composition = Composition::kMixture;
+  EXPECT_EQ(alone(twice).tokens, alone(single).tokens);
+}
+
+// Each generated token's log-probability is the mixture's: every cartridge's next-token
+// distribution weighted by the likelihood that cartridge gave to the prompt and the output
+// before it, computed here from full forwards with each document in context.
+TEST_F(EngineTest, MixtureWeighsEachCartridgeByTheLikelihoodOfWhatCameBefore) {
+  const std::vector<std::vector<int64_t>> docs = {random_tokens(6), random_tokens(9)};
+  auto r = greedy(random_tokens(12), 8, {prefix(docs[0]), prefix(docs[1])});
+  r.composition = Composition::kMixture;
+  r.params.logprobs = 3;
+  EngineOptions options;
+  options.prefill_tokens_per_step = 10;  // the prompt is scored over two steps
+  Engine engine(model, options);
+  const auto tokens = token_events(engine, engine.submit(r));
+  ASSERT_EQ(tokens.size(), 8u);
+  std::vector<int64_t> text = r.prompt;
+  for (const auto& e : tokens) text.push_back(e.token);
+  // per_token[c][j]: log p(text[j] | doc c, text[<j]) for j >= 1.
+  std::vector<at::Tensor> per_token, rows;
+  for (const auto& doc : docs) {
+    std::vector<int64_t> seq = doc;
+    seq.insert(seq.end(), text.begin(), text.end());
+    auto logprobs = at::log_softmax(model->forward({at::tensor(seq, at::kLong).view({1, -1}), {}, {}}, nullptr)[0], -1);
+    auto own = logprobs.narrow(0, static_cast<int64_t>(doc.size()) - 1, static_cast<int64_t>(text.size()));
+    rows.push_back(own);  // row j predicts text[j]
+    per_token.push_back(own.gather(1, at::tensor(text, at::kLong).view({-1, 1})).squeeze(1));
+  }
+  const int64_t prompt = static_cast<int64_t>(r.prompt.size());
+  for (int64_t i = 0; i < 8; ++i) {
+    const int64_t at_token = prompt + i;
+    std::vector<at::Tensor> weighted, befores;
+    for (size_t c = 0; c < docs.size(); ++c) {
+      befores.push_back(per_token[c].narrow(0, 1, at_token - 1).sum());  // text[1 .. at_token - 1]
+      weighted.push_back(rows[c][at_token] + befores.back());
+    }
+    // log sum_c w_c p_c(v), with w_c = exp(before_c) / sum_c' exp(before_c').
+    auto mixture = at::logsumexp(at::stack(weighted), 0) - at::logsumexp(at::stack(befores), 0);
+    EXPECT_NEAR(tokens[i].logprob, mixture[tokens[i].token].item<float>(), 2e-4) << "token " << i;
+    EXPECT_EQ(tokens[i].top_ids[0], mixture.argmax().item<int64_t>());  // greedy from the mixture
+  }
 }

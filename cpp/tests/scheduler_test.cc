@@ -91,6 +91,24 @@ TEST(Scheduler, PrefillIsChunkedWithinTheStepBudget) {
   EXPECT_EQ(p.prefill[0], std::make_pair(int64_t{2}, int64_t{2}));
 }
 
+TEST(Scheduler, EverySequenceOfARequestCountsAgainstRunningAndPrefill) {
+  Scheduler s(small(/*kv=*/100, /*running=*/3, /*prefill=*/16));
+  s.enqueue(1, Priority::kInteractive, 20, 50, /*rows=*/2);  // a mixture of two cartridges
+  s.enqueue(2, Priority::kInteractive, 4, 10, /*rows=*/2);   // 2 + 2 rows > 3: waits
+  auto p = s.plan();
+  EXPECT_TRUE(s.is_running(1));
+  EXPECT_FALSE(s.is_running(2));
+  EXPECT_EQ(s.running_rows(), 2);
+  EXPECT_EQ(s.kv_used(), 50);
+  ASSERT_EQ(p.prefill.size(), 1u);
+  EXPECT_EQ(p.prefill[0], std::make_pair(int64_t{1}, int64_t{8}));  // 8 tokens x 2 sequences = 16
+  EXPECT_THROW(s.enqueue(3, Priority::kInteractive, 4, 40, /*rows=*/4), c10::Error);  // > max_running
+  EXPECT_TRUE(s.finish(1));
+  s.plan();
+  EXPECT_TRUE(s.is_running(2));
+  EXPECT_EQ(s.running_rows(), 2);
+}
+
 TEST(Scheduler, InteractiveGoesBeforeBackground) {
   Scheduler s(small(/*kv=*/20, 8, /*prefill=*/4));
   s.enqueue(1, Priority::kBackground, 4, 10);

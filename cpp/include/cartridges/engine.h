@@ -129,18 +129,33 @@ struct EngineOptions {
   int num_threads = 0;
 };
 
+// How several cartridges of one request are composed.
+enum class Composition {
+  // Their KV one after another in front of one sequence, in order: attention decides which
+  // to read. Cartridges trained alone pull every question to themselves, so each document's
+  // questions lose most of their gain (benchmarks/README.md, "Composition").
+  kConcatenate = 0,
+  // One sequence per cartridge (same prompt, own KV range); each step samples from the
+  // mixture of their next-token distributions, each weighted by the likelihood it gave to
+  // everything before (prompt and output so far; a uniform prior): the cartridge that
+  // explains the conversation best speaks. Costs one sequence per cartridge.
+  kMixture = 1,
+};
+
 struct Request {
   std::vector<int64_t> prompt;  // token ids, not empty
-  PrefixList prefixes;          // cartridges in front of the prompt, composed in this order
+  PrefixList prefixes;          // cartridges in front of the prompt
   SamplingParams params;
   Priority priority = Priority::kInteractive;
+  Composition composition = Composition::kConcatenate;  // with two or more prefixes
 };
 
 struct Event {
   enum class Kind { kToken, kFinished };
   int64_t request = 0;
   Kind kind = Kind::kToken;
-  // kToken: the sampled token, and its log-probabilities when asked for.
+  // kToken: the sampled token, and its log-probabilities when asked for (under the
+  // distribution it was sampled from: the mixture's, for a mixture).
   int64_t token = -1;
   float logprob = 0.f;
   std::vector<int64_t> top_ids;

@@ -79,6 +79,9 @@ struct PackedSequence {
   int64_t num_new = 1;    // tokens of this step, written at slots kv_offset + past + j
   PrefixList prefixes;    // cartridges in front, in order (read in place, never copied)
   bool logits = true;     // whether the step returns logits at its last new token
+  // Logits at every new token instead (num_new rows): scoring the prompt tokens of a
+  // sequence whose weight depends on them (composition by mixture).
+  bool all_logits = false;
 };
 
 // A serving step: decode tokens and prefill chunks of many sequences, packed without padding.
@@ -130,7 +133,8 @@ class LlamaModel {
   at::Tensor forward(const ForwardBatch& batch, KVCache* cache) const;
 
   // The serving step: appends each sequence's new K/V to `pool` and returns float32 logits
-  // [R, vocab] at the last new token of each sequence with `logits` set, in order. Sequences
+  // [R, vocab], in order: num_new rows for each sequence with `all_logits` set, one at the
+  // last new token for each other sequence with `logits` set. Sequences
   // with the same prefix list attend to it together, reading it once per layer.
   at::Tensor forward_packed(const PackedBatch& batch, KVPool& pool) const;
 

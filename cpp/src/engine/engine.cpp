@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <limits>
 #include <condition_variable>
 #include <set>
 #include <thread>
@@ -18,10 +19,19 @@ namespace cartridges {
 
 namespace {
 
-int64_t prefix_tokens(const PrefixList& prefixes) {
-  int64_t n = 0;
-  for (const auto& p : prefixes) n += p->num_tokens();
-  return n;
+bool is_mixture(const Request& request) {
+  return request.composition == Composition::kMixture && request.prefixes.size() >= 2;
+}
+
+// Positions the request's cartridges take in front of its prompt: all of them one after
+// another, or the longest alone in a mixture (each cartridge has its own sequence).
+int64_t prefix_tokens(const Request& request) {
+  int64_t sum = 0, longest = 0;
+  for (const auto& p : request.prefixes) {
+    sum += p->num_tokens();
+    longest = std::max(longest, p->num_tokens());
+  }
+  return is_mixture(request) ? longest : sum;
 }
 
 bool is_stop(const SamplingParams& params, int64_t token) {
@@ -36,6 +46,12 @@ struct Live {
   Request request;
   Sampler sampler;
   std::vector<int64_t> generated;
+  // One sequence per cartridge for a mixture, else one. Sequence b owns `slots` pool slots
+  // from kv_offset + b * slots; log_weights[b] is the log-likelihood that cartridge b gave to
+  // the prompt and output so far (less a common constant).
+  int64_t branches = 1;
+  int64_t slots = 0;
+  std::vector<double> log_weights;
 };
 
 class EngineImpl {
@@ -64,10 +80,13 @@ class EngineImpl {
       for (size_t i = 0; i < requests.size(); ++i) {
         const int64_t id = next_id_;
         const int64_t prompt = static_cast<int64_t>(requests[i].prompt.size());
-        scheduler_.enqueue(id, requests[i].priority, prompt, prompt + requests[i].params.max_new_tokens);
+        const int64_t slots = prompt + requests[i].params.max_new_tokens;
+        const int64_t branches = is_mixture(requests[i]) ? static_cast<int64_t>(requests[i].prefixes.size()) : 1;
+        scheduler_.enqueue(id, requests[i].priority, prompt, slots * branches, branches);
         ++next_id_;
         ids.push_back(id);
-        lives_.emplace(id, std::make_unique<Live>(Live{id, std::move(requests[i]), std::move(samplers[i]), {}}));
+        lives_.emplace(id, std::make_unique<Live>(Live{id, std::move(requests[i]), std::move(samplers[i]), {},
+                                                       branches, slots, std::vector<double>(branches, 0.0)}));
       }
     } catch (...) {
       for (auto id : ids) end_quietly(id);  // all or none
@@ -108,10 +127,10 @@ class EngineImpl {
       }
     }
     const int64_t prompt = static_cast<int64_t>(request.prompt.size());
-    const int64_t needed = prefix_tokens(request.prefixes) + prompt + request.params.max_new_tokens;
+    const int64_t needed = prefix_tokens(request) + prompt + request.params.max_new_tokens;
     if (needed > c.max_position_embeddings) {
       throw ContextLengthError("the request needs " + std::to_string(needed) + " tokens (cartridges " +
-                               std::to_string(prefix_tokens(request.prefixes)) + " + prompt " + std::to_string(prompt) +
+                               std::to_string(prefix_tokens(request)) + " + prompt " + std::to_string(prompt) +
                                " + max tokens " + std::to_string(request.params.max_new_tokens) +
                                "), more than the model's context of " + std::to_string(c.max_position_embeddings));
     }
@@ -201,35 +220,46 @@ class EngineImpl {
     }
   }
 
+  // One sequence of a step: which request (and which of its mixture's sequences) it computes.
+  struct Part {
+    Live* live;
+    int64_t branch;
+    int64_t chunk;  // prompt tokens of this step, 0 when decoding
+    int64_t start;  // prompt tokens in the pool before this step
+    int64_t rows;   // logits rows it returns
+  };
+
   // Runs one forward over the plan and samples; appends the events.
   void step(const StepPlan& plan, std::vector<Event>& events) {
     PackedBatch batch;
     std::vector<int64_t> tokens;
-    std::vector<Live*> rows;          // per sequence
-    std::vector<int64_t> chunk_sizes;  // per sequence: prompt tokens of this step, 0 when decoding
+    std::vector<Part> parts;  // per sequence; a request's sequences are consecutive
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto add = [&](int64_t id, int64_t chunk) {
         Live* live = lives_.at(id).get();
         const Scheduled* s = scheduler_.find(id);
-        PackedSequence seq;
-        seq.kv_offset = s->kv_offset;
-        seq.prefixes = live->request.prefixes;
-        if (chunk == 0) {
-          // The pool holds the prompt and every generated token but the last, which is the input.
-          seq.past = s->prompt_tokens + static_cast<int64_t>(live->generated.size()) - 1;
-          seq.num_new = 1;
-          tokens.push_back(live->generated.back());
-        } else {
-          seq.past = s->prefilled;
-          seq.num_new = chunk;
-          const auto& prompt = live->request.prompt;
-          tokens.insert(tokens.end(), prompt.begin() + s->prefilled, prompt.begin() + s->prefilled + chunk);
-          seq.logits = s->prefilled + chunk == s->prompt_tokens;
+        const auto& prompt = live->request.prompt;
+        for (int64_t b = 0; b < live->branches; ++b) {
+          PackedSequence seq;
+          seq.kv_offset = s->kv_offset + b * live->slots;
+          seq.prefixes = live->branches > 1 ? PrefixList{live->request.prefixes[b]} : live->request.prefixes;
+          if (chunk == 0) {
+            // The pool holds the prompt and every generated token but the last, which is the input.
+            seq.past = s->prompt_tokens + static_cast<int64_t>(live->generated.size()) - 1;
+            seq.num_new = 1;
+            tokens.push_back(live->generated.back());
+          } else {
+            seq.past = s->prefilled;
+            seq.num_new = chunk;
+            tokens.insert(tokens.end(), prompt.begin() + s->prefilled, prompt.begin() + s->prefilled + chunk);
+            seq.logits = s->prefilled + chunk == s->prompt_tokens;
+            seq.all_logits = live->branches > 1;  // a mixture weighs its cartridges by the prompt too
+          }
+          const int64_t rows = seq.all_logits ? seq.num_new : (seq.logits ? 1 : 0);
+          parts.push_back({live, b, chunk, s->prefilled, rows});
+          batch.sequences.push_back(std::move(seq));
         }
-        batch.sequences.push_back(std::move(seq));
-        rows.push_back(live);
-        chunk_sizes.push_back(chunk);
       };
       for (auto id : plan.decode) add(id, 0);
       for (auto [id, chunk] : plan.prefill) add(id, chunk);
@@ -249,24 +279,67 @@ class EngineImpl {
     std::lock_guard<std::mutex> lock(mutex_);
     ++counters_.steps;
     int64_t row = 0;
-    for (size_t i = 0; i < rows.size(); ++i) {
-      Live* live = rows[i];
-      const auto& seq = batch.sequences[i];
+    for (size_t i = 0; i < parts.size();) {
+      const Part& part = parts[i];
+      Live* live = part.live;  // ending the request below frees it
+      const int64_t branches = live->branches, rows = part.rows * branches;
+      i += branches;
       if (!failure.empty()) {
         events.push_back(finished(live->id, "error", failure));
         end_quietly(live->id);
         continue;
       }
-      if (chunk_sizes[i] > 0) {
-        scheduler_.prefilled(live->id, chunk_sizes[i]);
-        counters_.prompt_tokens += chunk_sizes[i];
+      if (part.chunk > 0) {
+        scheduler_.prefilled(live->id, part.chunk);
+        counters_.prompt_tokens += part.chunk;
       }
-      if (!seq.logits) continue;
-      sample_into(*live, logits[row++], events);
+      const bool samples = part.chunk == 0 || part.start + part.chunk == static_cast<int64_t>(live->request.prompt.size());
+      if (branches == 1) {
+        if (samples) sample_into(*live, logits[row], events);
+      } else {
+        mix_into(*live, part, logits.narrow(0, row, rows), samples, events);
+      }
+      row += rows;
     }
   }
 
   void sample_into(Live& live, const at::Tensor& logits, std::vector<Event>& events) {
+    const int64_t token = emit(live, logits, events);
+    end_if_done(live, token, events);
+  }
+
+  // A mixture's step: `logits` holds `part.rows` rows for each of its sequences in turn. The
+  // prompt tokens of a prefill chunk add to each cartridge's weight; the distribution at the
+  // last position, mixed under the weights, is sampled from, and the sampled token adds too.
+  void mix_into(Live& live, const Part& part, const at::Tensor& logits, bool samples, std::vector<Event>& events) {
+    const int64_t n = live.branches, vocab = logits.size(-1);
+    const auto logprobs = at::log_softmax(logits.view({n, part.rows, vocab}), -1);  // [n, rows, vocab]
+    if (part.chunk > 0) {
+      // Position j predicts prompt token start + j + 1; the prompt's last position predicts output.
+      const auto& prompt = live.request.prompt;
+      const int64_t scored = std::min(part.chunk, static_cast<int64_t>(prompt.size()) - part.start - 1);
+      if (scored > 0) {
+        std::vector<int64_t> next(prompt.begin() + part.start + 1, prompt.begin() + part.start + 1 + scored);
+        auto targets = at::tensor(next, at::kLong).view({1, scored, 1}).expand({n, scored, 1});
+        auto gained = logprobs.narrow(1, 0, scored).gather(2, targets).sum({1, 2}).to(at::kDouble);
+        for (int64_t b = 0; b < n; ++b) live.log_weights[b] += gained[b].item<double>();
+      }
+    }
+    if (!samples) return;
+    const auto last = logprobs.select(1, part.rows - 1);  // [n, vocab]
+    auto weights = at::tensor(live.log_weights, at::kDouble);
+    weights = (weights - at::logsumexp(weights, 0)).to(at::kFloat);
+    const auto mixed = at::logsumexp(last + weights.unsqueeze(1), 0);  // [vocab] log-probabilities
+    const int64_t token = emit(live, mixed, events);
+    const auto gained = last.select(1, token).to(at::kDouble);
+    double highest = -std::numeric_limits<double>::infinity();
+    for (int64_t b = 0; b < n; ++b) highest = std::max(highest, live.log_weights[b] += gained[b].item<double>());
+    for (auto& w : live.log_weights) w -= highest;  // only differences count; keep them small
+    end_if_done(live, token, events);
+  }
+
+  // Samples a token from `logits` [vocab], records it and its event; returns it.
+  int64_t emit(Live& live, const at::Tensor& logits, std::vector<Event>& events) {
     const auto& params = live.request.params;
     Event e;
     e.request = live.id;
@@ -280,12 +353,18 @@ class EngineImpl {
     }
     live.generated.push_back(e.token);
     ++counters_.generated_tokens;
-    const int64_t id = live.id, token = e.token;
+    const int64_t token = e.token;
     events.push_back(std::move(e));
+    return token;
+  }
+
+  // Ends the request after `token` when it is a stop token or the output is full.
+  void end_if_done(Live& live, int64_t token, std::vector<Event>& events) {
+    const auto& params = live.request.params;
     if (is_stop(params, token)) {
-      end(id, "stop", events);
+      end(live.id, "stop", events);
     } else if (static_cast<int64_t>(live.generated.size()) >= params.max_new_tokens) {
-      end(id, "length", events);
+      end(live.id, "length", events);
     }
   }
 

@@ -11,8 +11,11 @@ Scheduler::Scheduler(SchedulerOptions options) : options_(options), allocator_(o
   TORCH_CHECK(options.max_waiting >= 0, "max_waiting must not be negative");
 }
 
-void Scheduler::enqueue(int64_t id, Priority priority, int64_t prompt_tokens, int64_t reserve) {
-  TORCH_CHECK(prompt_tokens > 0 && reserve >= prompt_tokens, "a request needs a prompt and room for it");
+void Scheduler::enqueue(int64_t id, Priority priority, int64_t prompt_tokens, int64_t reserve, int64_t rows) {
+  TORCH_CHECK(prompt_tokens > 0 && rows > 0 && reserve >= prompt_tokens * rows, "a request needs a prompt and room for it");
+  TORCH_CHECK(rows <= options_.max_running && rows <= options_.prefill_tokens_per_step, "a request of ", rows,
+              " sequences exceeds the engine's max_running (", options_.max_running,
+              ") or prefill_tokens_per_step (", options_.prefill_tokens_per_step, ")");
   if (reserve > options_.kv_tokens) {
     throw ContextLengthError("the request needs " + std::to_string(reserve) +
                              " KV tokens (prompt + max tokens), more than the engine's whole KV pool of " +
@@ -27,6 +30,7 @@ void Scheduler::enqueue(int64_t id, Priority priority, int64_t prompt_tokens, in
   s.priority = priority;
   s.prompt_tokens = prompt_tokens;
   s.reserve = reserve;
+  s.rows = rows;
   s.arrival = arrivals_++;
   waiting_[static_cast<int>(priority)].push_back(s);
 }
@@ -34,12 +38,13 @@ void Scheduler::enqueue(int64_t id, Priority priority, int64_t prompt_tokens, in
 void Scheduler::admit() {
   for (auto& queue : waiting_) {
     while (!queue.empty()) {
-      if (running() >= options_.max_running) return;
+      if (running_rows_ + queue.front().rows > options_.max_running) return;
       auto offset = allocator_.allocate(queue.front().reserve);
       if (!offset) return;  // the head waits for room; nothing jumps ahead of it
       Scheduled s = queue.front();
       queue.pop_front();
       s.kv_offset = *offset;
+      running_rows_ += s.rows;
       running_.emplace(s.id, s);
     }
   }
@@ -61,10 +66,10 @@ StepPlan Scheduler::plan() {
   });
   int64_t budget = options_.prefill_tokens_per_step;
   for (const Scheduled* s : prefilling) {
-    if (budget == 0) break;
-    const int64_t chunk = std::min(budget, s->prompt_tokens - s->prefilled);
+    const int64_t chunk = std::min(budget / s->rows, s->prompt_tokens - s->prefilled);
+    if (chunk == 0) break;
     plan.prefill.emplace_back(s->id, chunk);
-    budget -= chunk;
+    budget -= chunk * s->rows;
   }
   return plan;
 }
@@ -78,6 +83,7 @@ void Scheduler::prefilled(int64_t id, int64_t tokens) {
 bool Scheduler::finish(int64_t id) {
   if (auto it = running_.find(id); it != running_.end()) {
     allocator_.release(it->second.kv_offset, it->second.reserve);
+    running_rows_ -= it->second.rows;
     running_.erase(it);
     return true;
   }

@@ -26,7 +26,8 @@ struct Scheduled {
   int64_t id = 0;
   Priority priority = Priority::kInteractive;
   int64_t prompt_tokens = 0;  // to prefill
-  int64_t reserve = 0;        // KV slots held while running (prompt + output)
+  int64_t reserve = 0;        // KV slots held while running (prompt + output, per row)
+  int64_t rows = 1;           // sequences computed for it in each step (one per cartridge of a mixture)
   int64_t arrival = 0;
   // Running state.
   int64_t kv_offset = -1;
@@ -45,9 +46,11 @@ class Scheduler {
  public:
   explicit Scheduler(SchedulerOptions options);
 
-  // Adds a waiting request. ContextLengthError when `reserve` exceeds the whole pool (it could
-  // never start); EngineBusyError when the waiting queue is full.
-  void enqueue(int64_t id, Priority priority, int64_t prompt_tokens, int64_t reserve);
+  // Adds a waiting request computed as `rows` sequences, each with the same prompt: it holds
+  // `reserve` KV slots in all, counts `rows` against max_running and `rows` tokens of the
+  // prefill budget per prompt token. ContextLengthError when `reserve` exceeds the whole pool
+  // (it could never start); EngineBusyError when the waiting queue is full.
+  void enqueue(int64_t id, Priority priority, int64_t prompt_tokens, int64_t reserve, int64_t rows = 1);
   // Starts the waiting requests that fit, in priority order (stopping at the first that does
   // not, so that a large request is not starved by smaller ones behind it), then plans a step.
   StepPlan plan();
@@ -60,6 +63,7 @@ class Scheduler {
   const Scheduled* find(int64_t id) const;
   bool is_running(int64_t id) const;
   int64_t running() const { return static_cast<int64_t>(running_.size()); }
+  int64_t running_rows() const { return running_rows_; }
   int64_t waiting() const { return static_cast<int64_t>(waiting_[0].size() + waiting_[1].size()); }
   int64_t kv_used() const { return allocator_.used(); }
   const SchedulerOptions& options() const { return options_; }
@@ -70,6 +74,7 @@ class Scheduler {
   SchedulerOptions options_;
   KVRangeAllocator allocator_;
   int64_t arrivals_ = 0;
+  int64_t running_rows_ = 0;
   std::deque<Scheduled> waiting_[2];    // by priority
   std::map<int64_t, Scheduled> running_;  // by id
 };

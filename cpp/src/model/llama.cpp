@@ -317,10 +317,11 @@ at::Tensor LlamaModel::forward_packed(const PackedBatch& batch, KVPool& pool) co
       prefix_len += p->num_tokens();
     }
     for (int64_t j = 0; j < s.num_new; ++j) {
+      if (s.all_logits) last.push_back(static_cast<int64_t>(positions.size()));
       positions.push_back(prefix_len + s.past + j);
       slots.push_back(s.kv_offset + s.past + j);
     }
-    if (s.logits) last.push_back(static_cast<int64_t>(positions.size()) - 1);
+    if (s.logits && !s.all_logits) last.push_back(static_cast<int64_t>(positions.size()) - 1);
   }
   TORCH_CHECK(static_cast<int64_t>(positions.size()) == N, "forward_packed: tokens hold ", N,
               " entries, the sequences ", positions.size());
