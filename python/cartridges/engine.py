@@ -32,6 +32,8 @@ CacheFullError = core.CacheFullError
 EngineStoppedError = core.EngineStoppedError
 
 _PRIORITIES = {"interactive": core.Priority.INTERACTIVE, "background": core.Priority.BACKGROUND}
+# How several cartridges of one request are composed (cartridges_core.Composition).
+COMPOSITIONS = {"mixture": core.Composition.MIXTURE, "concatenate": core.Composition.CONCATENATE}
 _POLL = timedelta(milliseconds=200)
 
 
@@ -283,6 +285,7 @@ class Engine:
         stop: Sequence[str] = (),
         logprobs: int = 0,
         priority: str = "interactive",
+        composition: str = "mixture",
         condition: threading.Condition | None = None,
     ) -> list[Stream]:
         """Queues requests at once (all or none; they start in the same step when there is
@@ -292,10 +295,17 @@ class Engine:
         `seeds`: per prompt (None draws a fresh one). `stop_token_ids` defaults to the
         tokenizer's end-of-turn ids; `stop` are text stop sequences (the match is not returned);
         `logprobs`: how many top log-probabilities to return per token; `priority`:
-        "interactive" or "background". Raises ContextLengthError (can never fit the context or
+        "interactive" or "background". `composition`, for two or more cartridges: "mixture"
+        (one sequence per cartridge, the next token drawn from their distributions weighted
+        by how well each explains the conversation so far; each document's questions keep
+        their single-cartridge quality) or "concatenate" (their KV one after another in front
+        of one sequence: cheaper, but trained cartridges pull every question to themselves).
+        Raises ContextLengthError (can never fit the context or
         the KV pool), EngineBusyError (queue full), ValueError (bad parameters)."""
         if priority not in _PRIORITIES:
             raise ValueError(f"priority must be one of {sorted(_PRIORITIES)}")
+        if composition not in COMPOSITIONS:
+            raise ValueError(f"composition must be one of {sorted(COMPOSITIONS)}")
         stops = list(stop_token_ids) if stop_token_ids is not None else self._default_stops()
         kv = [[as_prefix(self.model, p) for p in row] for row in (prefixes or [()] * len(prompts))]
         seeds = seeds or [None] * len(prompts)
@@ -314,7 +324,7 @@ class Engine:
         tokenizer = self.model.tokenizer
         with self._lock:
             try:
-                ids = self.core.submit_all(requests, _PRIORITIES[priority])
+                ids = self.core.submit_all(requests, _PRIORITIES[priority], COMPOSITIONS[composition])
             except RuntimeError as error:
                 if isinstance(error, (EngineBusyError, EngineStoppedError)):
                     raise

@@ -25,7 +25,8 @@ from .engine import Completion, Engine, GenerationError, Stream, as_prefix
 from .models import ChatTokenizer, LoadedModel, ModelConfig, ModelLoadError, load_weights
 from .models.tokenizer import Message
 
-# Cartridges (`Cartridge` objects or their KV prefixes), composed in order in front of the prompt.
+# Cartridges (`Cartridge` objects or their KV prefixes) in front of the prompt; several are
+# composed by mixture or concatenated in order (`composition`).
 Prefixes = Sequence[Any]
 
 
@@ -117,11 +118,14 @@ class Model:
         prefixes: Prefixes | Sequence[Prefixes] | None = None,
         on_token: Callable[[int, int], bool | None] | None = None,
         priority: str = "interactive",
+        composition: str = "mixture",
     ) -> list[Completion]:
         """Generate for all prompts on the engine (they run together with whatever else it serves).
 
         `prefixes`: cartridges (`Cartridge` objects or KV prefixes) in front of every prompt, or
-        one list per prompt. `stop`: text stop sequences (the match is not returned).
+        one list per prompt; `composition` says how two or more of them are composed ("mixture"
+        or "concatenate", see `Engine.submit_many`). `stop`: text stop sequences (the match is
+        not returned).
         `logprobs`: how many top log-probabilities to return per token.
         `on_token(i, token)` is called as each token is produced; returning False cancels
         prompt i. Stops at the tokenizer's end-of-turn ids unless `stop_token_ids` is given.
@@ -133,7 +137,7 @@ class Model:
             streams = self.engine.submit_many(
                 prompts, prefixes=per_prompt, seeds=[seed] * len(prompts), max_new_tokens=max_new_tokens,
                 temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, stop=stop,
-                logprobs=logprobs, priority=priority, condition=condition,
+                logprobs=logprobs, priority=priority, composition=composition, condition=condition,
             )
             _wait_all(streams, condition, on_token)
         finally:
@@ -151,7 +155,8 @@ class Model:
 
     def chat(self, messages: Sequence[Message], *, cartridges: Prefixes = (), max_tokens: int = 256,
              **sampling) -> str:
-        """The assistant's reply to `messages`, with cartridges (KV prefixes) as context."""
+        """The assistant's reply to `messages`, with cartridges (KV prefixes) as context (several
+        are composed by mixture; `composition="concatenate"` puts their KV one after another)."""
         prompt = self.encode_chat(messages)
         return self.generate([prompt], prefixes=list(cartridges), max_new_tokens=max_tokens, **sampling)[0].text
 

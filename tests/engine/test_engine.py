@@ -119,6 +119,35 @@ def test_cartridge_cache_through_the_engine(model, engine):
     assert stats.entries == 1 and stats.loads == 1 and stats.hits == 1 and stats.bytes == prefix.nbytes
 
 
+def test_several_cartridges_mix_by_default_and_concatenate_on_request(model, engine):
+    """A mixture's log-probabilities are the Bayesian mixture of each cartridge's own, computed
+    here from full forwards with each document in context; concatenation is one forward with
+    both KV in front, in order."""
+    g = torch.Generator().manual_seed(4)
+    docs = [torch.randint(VOCAB, (n,), generator=g) for n in (8, 11)]
+    kv = [model.core.prefix_from_tokens(d) for d in docs]
+    prompt = torch.randint(VOCAB, (40,), generator=g).tolist()  # longer than a prefill step
+    kwargs = dict(max_new_tokens=6, stop_token_ids=[], logprobs=1)
+    mixed = engine.submit(prompt, prefixes=kv, **kwargs).result()
+    text = prompt + mixed.tokens
+    each = []  # [C, T-1]: log p(text[t] | doc c, text[<t]) for t >= 1
+    for doc in docs:
+        with torch.no_grad():
+            logits = model.core.forward(torch.tensor([doc.tolist() + text]))[0, len(doc):-1]
+        each.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(text[1:])[:, None])[:, 0])
+    each = torch.stack(each).double()
+    before = torch.cat([torch.zeros(2, 1, dtype=torch.float64), each.cumsum(1)[:, :-1]], 1)
+    mixture = torch.logsumexp(before + each, 0) - torch.logsumexp(before, 0)
+    assert [t.logprob for t in mixed.logprobs] == pytest.approx(mixture[len(prompt) - 1:].tolist(), abs=1e-4)
+
+    concatenated = engine.submit(prompt, prefixes=kv, composition="concatenate", **kwargs).result().tokens
+    with torch.no_grad():
+        logits = model.core.forward(torch.tensor([prompt + concatenated]), prefixes=[kv])[0]
+    assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == concatenated  # greedy, both KV in front
+    with pytest.raises(ValueError, match="composition"):
+        engine.submit(prompt, prefixes=kv, composition="average", **kwargs)
+
+
 def test_typed_errors(model):
     small = Engine(model, kv_tokens=64, max_waiting=1, max_running=1)
     try:

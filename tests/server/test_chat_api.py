@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+import torch
 
 import cartridges
 from cartridges import Cartridge, Client
@@ -196,18 +197,38 @@ def test_cartridge_chat_is_exact(chat_server: LiveServer, model: cartridges.Mode
     assert bare.choices[0].message.content == reply.choices[0].message.content
 
 
-def test_composed_cartridges_equal_both_texts_in_context(chat_server: LiveServer, model: cartridges.Model,
-                                                        owner: dict) -> None:
+def test_concatenated_cartridges_equal_both_texts_in_context(chat_server: LiveServer, model: cartridges.Model,
+                                                             owner: dict) -> None:
     client = chat_server.openai(owner["key"])
-    reply = greedy(client, "tiny", max_tokens=12, extra_body={"cartridges": [owner["bells"], {"id": owner["ferry"]}]})
+    reply = greedy(client, "tiny", max_tokens=12, extra_body={"cartridges": [owner["bells"], {"id": owner["ferry"]}],
+                                                              "composition": "concatenate"})
     assert reply.usage.prompt_tokens_details.cached_tokens == 48
     both = (Corpus.from_texts(model.tokenizer, [DOCUMENT]).tokens[:24]
             + Corpus.from_texts(model.tokenizer, [OTHER_DOCUMENT]).tokens[:24])
     assert reply.choices[0].message.content == model.generate([both + model.encode_chat(MESSAGES)],
                                                               max_new_tokens=12)[0].text
     # a cartridge model plus the extension: the model's cartridge comes first
-    mixed = greedy(client, owner["bells"], max_tokens=12, extra_body={"cartridges": [owner["ferry"]]})
+    mixed = greedy(client, owner["bells"], max_tokens=12, extra_body={"cartridges": [owner["ferry"]],
+                                                                      "composition": "concatenate"})
     assert mixed.choices[0].message.content == reply.choices[0].message.content
+
+
+def test_composed_cartridges_mix_by_default(chat_server: LiveServer, model: cartridges.Model, owner: dict) -> None:
+    """Two cartridges are composed by mixture unless asked otherwise: the reply equals the
+    library's mixture of the two documents' KV, with each one's log-probabilities."""
+    client = chat_server.openai(owner["key"])
+    reply = greedy(client, "tiny", max_tokens=12, logprobs=True, top_logprobs=2,
+                   extra_body={"cartridges": [owner["bells"], owner["ferry"]]})
+    assert reply.usage.prompt_tokens_details.cached_tokens == 48
+    kv = [model.core.prefix_from_tokens(torch.tensor(Corpus.from_texts(model.tokenizer, [text]).tokens[:24]))
+          for text in (DOCUMENT, OTHER_DOCUMENT)]
+    expected = model.generate([model.encode_chat(MESSAGES)], prefixes=kv, max_new_tokens=12, logprobs=2)[0]
+    assert reply.choices[0].message.content == expected.text
+    got = [t.logprob for t in reply.choices[0].logprobs.content]
+    assert got == pytest.approx([t.logprob for t in expected.logprobs], abs=1e-4)
+    with pytest.raises(openai.BadRequestError) as bad:
+        greedy(client, "tiny", extra_body={"cartridges": [owner["bells"]], "composition": "average"})
+    assert bad.value.body["param"] == "composition"
 
 
 def test_models_preload_and_health(chat_server: LiveServer, owner: dict) -> None:

@@ -66,7 +66,8 @@ def test_generation_with_several_cartridges_equals_texts_in_context(model):
     prompt = model.tokenizer.encode_chat([{"role": "user", "content": "Colors?"}])
     both_prefixes = [first.prefix(model), second.prefix(model)]
     kwargs = dict(max_new_tokens=12, stop_token_ids=[])
-    composed = [model.engine.submit(p, prefixes=[first, second], **kwargs) for p in (prompt, prompt[:5])]
+    composed = [model.engine.submit(p, prefixes=[first, second], composition="concatenate", **kwargs)
+                for p in (prompt, prompt[:5])]
     text = model.tokenizer.encode(a + b)
     plain = [model.engine.submit(text + p, **kwargs) for p in (prompt, prompt[:5])]
     assert [s.result().tokens for s in composed] == [s.result().tokens for s in plain]

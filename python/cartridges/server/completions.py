@@ -34,6 +34,7 @@ class Plan:
 
     prompt: list[int]
     prefixes: list[Any]
+    composition: str
     cartridge_tokens: int
     max_new_tokens: int
     stop: list[str]
@@ -66,19 +67,23 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
         raise APIError(400, f"The conversation cannot be rendered with the model's chat template: {error}",
                        code="invalid_value", param="messages") from None
 
-    context, used = model.context_length, cartridge_tokens + len(prompt)
+    # A mixture gives each cartridge its own sequence: only the longest takes context in front.
+    mixture = body.composition == "mixture" and len(prefixes) > 1
+    in_front = max(p.num_tokens for p in prefixes) if mixture else cartridge_tokens
+    context, used = model.context_length, in_front + len(prompt)
     requested = body.max_completion_tokens or body.max_tokens
     if requested is None:
         requested = min(serving.settings.default_max_tokens, context - used)
     if requested < 1 or used + requested > context:
         raise APIError(400, f"This model's maximum context length is {context} tokens; the request needs "
-                       f"{used + max(requested, 1)} ({cartridge_tokens} in cartridges, {len(prompt)} in the messages, "
+                       f"{used + max(requested, 1)} ({in_front} in cartridges, {len(prompt)} in the messages, "
                        f"{max(requested, 1)} for the completion). Shorten the messages or lower max_tokens.",
                        code="context_length_exceeded", param="messages")
 
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return Plan(
-        prompt=prompt, prefixes=prefixes, cartridge_tokens=cartridge_tokens, max_new_tokens=requested,
+        prompt=prompt, prefixes=prefixes, composition=body.composition, cartridge_tokens=cartridge_tokens,
+        max_new_tokens=requested,
         stop=[s for s in stop if s], top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         seeds=choice_seeds(body.seed, body.n),
         sampling={"temperature": 1.0 if body.temperature is None else body.temperature,
@@ -118,7 +123,7 @@ def submit(serving: Serving, plan: Plan) -> list[Stream]:
     try:
         return engine.submit_many(
             [plan.prompt] * len(plan.seeds), prefixes=[plan.prefixes] * len(plan.seeds), seeds=plan.seeds,
-            max_new_tokens=plan.max_new_tokens, stop=plan.stop,
+            max_new_tokens=plan.max_new_tokens, stop=plan.stop, composition=plan.composition,
             logprobs=0 if plan.top_logprobs is None else max(1, plan.top_logprobs), **plan.sampling)
     except ContextLengthError as error:
         raise APIError(400, f"The request does not fit: {error}", code="context_length_exceeded",
