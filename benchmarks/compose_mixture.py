@@ -4,10 +4,11 @@ Two documents' cartridges (the suite's, trained with the defaults or taken from
 --cartridge-dir) answer each document's questions in three ways, scored like the suite
 (log-likelihood of the gold answers, teacher-forced) as the fraction of the single-cartridge
 gain kept:
-- concatenated: both cartridges' KV in front of one sequence (what the engine does today);
+- concatenated: both cartridges' KV in front of one sequence (composition="concatenate");
 - uniform mixture: each cartridge on its own sequence, next-token probabilities averaged;
 - Bayesian mixture: the same, each cartridge weighted by the likelihood it gave to everything
-  before the token (chat template, question, answer so far).
+  before the token (chat template, question, answer so far): the engine's composition by
+  mixture, the default.
 
     python benchmarks/compose_mixture.py --compose narrative,manual --cartridge-dir DIR
 """
@@ -23,23 +24,8 @@ import torch
 
 import cartridges
 from cartridges.selfstudy import TrainConfig
-from eval_cartridge import chat_prompts, get_cartridge, load_document, names_list, parse_overrides
-
-
-def token_logprobs(model, tokens: list[int], prefixes: list) -> torch.Tensor:
-    """log p(x_t | x_<t) for t >= 1, with `prefixes` in front."""
-    with torch.no_grad():
-        logits = model.core.forward(torch.tensor([tokens]), prefixes=[prefixes] if prefixes else None)[0]
-    logp = torch.log_softmax(logits[:-1].float(), -1)
-    return logp.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
-
-
-def bayes_mixture(per_cartridge: torch.Tensor) -> torch.Tensor:
-    """[C, T] log-probabilities of each token under each cartridge -> [T] under the mixture whose
-    weights are each cartridge's likelihood of the tokens before (uniform prior)."""
-    before = torch.cat([torch.zeros(per_cartridge.shape[0], 1), per_cartridge.cumsum(1)[:, :-1]], 1)
-    log_weights = before - torch.logsumexp(before, 0, keepdim=True)
-    return torch.logsumexp(log_weights + per_cartridge, 0)
+from eval_cartridge import bayes_mixture, chat_prompts, get_cartridge, load_document, names_list, parse_overrides, \
+    token_logprobs
 
 
 def main() -> int:

@@ -17,9 +17,10 @@ Also KV bytes (cartridge vs the document in context) and synthesis and training 
 Averages are given apart for the tuning documents (--tune; choose settings on these only) and
 the held-out ones (the honest figure).
 
-Composition (--compose A,B): the cartridges of A and B in one request, prefix list [A, B]; for
-each document's questions, the fraction of its single-cartridge gain kept (target >= 0.8). With
---baselines-only it composes the untrained (init) cartridges.
+Composition (--compose A,B): the cartridges of A and B in one request, composed by mixture (the
+default) and by concatenation; for each document's questions, the fraction of its
+single-cartridge gain kept (target >= 0.8, on the default). With --baselines-only it composes
+the untrained (init) cartridges.
 
     python benchmarks/eval_cartridge.py --threads 2 --out results.json          # the full suite
     python benchmarks/eval_cartridge.py --baselines-only                        # no training
@@ -150,6 +151,7 @@ class Condition:
     computed once and shared, and/or cartridges (KV prefixes) in front."""
     system: str | None = None
     prefixes: tuple[Any, ...] = ()
+    composition: str = "mixture"  # of two or more cartridges, as the library and server default
 
 
 def chat_prompts(model, questions: list[Question], system: str | None) -> list[list[int]]:
@@ -205,15 +207,36 @@ def truncated_document(model, text: str, kv_tokens: int) -> tuple[str, int]:
     return tok.decode(ids[:1]), 1
 
 
-def answer_logliks(model, prompts: list[list[int]], answers: list[list[int]], prefixes: list[Any]) -> list[float]:
-    """Sum of log p(answer tokens | prefixes, prompt) for each pair."""
-    out = []
+def token_logprobs(model, tokens: list[int], prefixes: list[Any]) -> torch.Tensor:
+    """[T - 1]: log p(tokens[t] | prefixes, tokens[<t]) for t >= 1, the prefixes concatenated."""
     with torch.no_grad():
-        for prompt, answer in zip(prompts, answers):
-            tokens = torch.tensor([prompt + answer], dtype=torch.long)
-            logits = model.core.forward(tokens, prefixes=[prefixes] if prefixes else None)[0]
-            logp = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), -1)
-            out.append(float(logp.gather(1, torch.tensor(answer)[:, None]).sum()))
+        logits = model.core.forward(torch.tensor([tokens]), prefixes=[prefixes] if prefixes else None)[0]
+    logp = torch.log_softmax(logits[:-1].float(), -1)
+    return logp.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+
+
+def bayes_mixture(per_cartridge: torch.Tensor) -> torch.Tensor:
+    """[C, T] log-probabilities of each token under each cartridge -> [T] under the mixture whose
+    weights are each cartridge's likelihood of the tokens before (uniform prior): what the
+    engine samples from when it composes cartridges by mixture."""
+    per_cartridge = per_cartridge.double()
+    before = torch.cat([torch.zeros(per_cartridge.shape[0], 1, dtype=torch.float64),
+                        per_cartridge.cumsum(1)[:, :-1]], 1)
+    return torch.logsumexp(before + per_cartridge, 0) - torch.logsumexp(before, 0)
+
+
+def answer_logliks(model, prompts: list[list[int]], answers: list[list[int]], prefixes: list[Any],
+                   composition: str = "concatenate") -> list[float]:
+    """Sum of log p(answer tokens | prefixes, prompt) for each pair; several prefixes composed
+    by `composition`."""
+    out = []
+    for prompt, answer in zip(prompts, answers):
+        tokens, at = prompt + answer, slice(len(prompt) - 1, None)  # the positions that predict the answer
+        if composition == "mixture" and len(prefixes) > 1:
+            logp = bayes_mixture(torch.stack([token_logprobs(model, tokens, [p]) for p in prefixes]))
+        else:
+            logp = token_logprobs(model, tokens, prefixes)
+        out.append(float(logp[at].sum()))
     return out
 
 
@@ -222,8 +245,9 @@ def evaluate(model, questions: list[Question], cond: Condition, max_reply: int) 
     t0 = time.perf_counter()
     prompts, prefixes, kv_tokens = context_prompts(model, questions, cond)
     answers = [model.tokenizer.encode(q.answer) for q in questions]
-    loglik = answer_logliks(model, prompts, answers, prefixes)
-    replies = model.generate(prompts, max_new_tokens=max_reply, prefixes=prefixes or None)
+    loglik = answer_logliks(model, prompts, answers, prefixes, cond.composition)
+    replies = model.generate(prompts, max_new_tokens=max_reply, prefixes=prefixes or None,
+                             composition=cond.composition)
     matches = [contains_match(r.text, q) for q, r in zip(questions, replies)]
 
     def summary(idx: list[int]) -> dict:
@@ -428,8 +452,10 @@ def average(docs: list[dict]) -> dict | None:
 def compose(model, docs: dict[str, Document], names: list[str], carts: dict[str, Cartridge], args, label: str,
             memo: dict) -> dict:
     """Each document's questions with its own cartridge, and with both in one request ([A, B]),
-    and the fraction of the single-cartridge gain (over no context) that is kept. ([B, A] gives
-    the same numbers: keys carry their positions (RoPE) and attention does not see their order.)
+    composed by mixture (the default) and by concatenation, and the fraction of the
+    single-cartridge gain (over no context) that each keeps. ([B, A] gives the same numbers:
+    keys carry their positions (RoPE) and attention does not see their order; the mixture
+    has none.)
     `label` is the condition name of these cartridges ("init" or "cartridge"): figures the
     document's own evaluation already made are taken from `memo`."""
     a, b = names
@@ -448,6 +474,8 @@ def compose(model, docs: dict[str, Document], names: list[str], carts: dict[str,
             "none": run((name, "none"), Condition()),
             "single": run((name, label), Condition(prefixes=(carts[name].prefix(model),))),
             f"{a}+{b}": run((name, f"{label}:{a}+{b}"), Condition(prefixes=(pa, pb))),
+            f"{a}+{b} concatenated": run((name, f"{label}:{a}+{b}:concatenated"),
+                                         Condition(prefixes=(pa, pb), composition="concatenate")),
         }
         none = runs["none"]["loglik_per_token"]
         gain = runs["single"]["loglik_per_token"] - none
@@ -457,9 +485,9 @@ def compose(model, docs: dict[str, Document], names: list[str], carts: dict[str,
             if key not in ("none", "single"):
                 entry[key]["gain_kept"] = (r["loglik_per_token"] - none) / gain if gain > 0 else None
         out["documents"][name] = entry
-        kept = entry[f"{a}+{b}"]["gain_kept"]
-        print(f"[compose {label}] {name}: single gain {gain:.3f}, kept in [{a}, {b}] "
-              f"{'n/a (no single gain)' if kept is None else f'{kept:.3f}'}", file=sys.stderr)
+        kept = {key: entry[key]["gain_kept"] for key in runs if key not in ("none", "single")}
+        print(f"[compose {label}] {name}: single gain {gain:.3f}, kept: "
+              + ", ".join(f"{key} {'n/a' if v is None else f'{v:.3f}'}" for key, v in kept.items()), file=sys.stderr)
     kept = [out["documents"][n][f"{a}+{b}"]["gain_kept"] for n in names]
     out["min_gain_kept"] = None if None in kept else min(kept)
     out["target_met"] = None if None in kept else min(kept) >= 0.8

@@ -64,3 +64,25 @@ def test_logprobs_close_to_a_full_forward(pair):
     full = torch.log_softmax(model.core.forward(torch.tensor([prompt + completion.tokens]))[0].float(), -1).cpu()
     for i, lp in enumerate(completion.logprobs):
         assert lp.logprob == pytest.approx(full[len(prompt) - 1 + i, lp.token].item(), abs=0.1)
+
+
+def test_mixture_of_two_cartridges_close_to_the_bayesian_mixture_of_full_forwards(pair):
+    _, model = pair
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(VOCAB, (n,), generator=g) for n in (8, 11)]
+    kv = [model.core.prefix_from_tokens(d.cuda()) for d in docs]
+    prompt = torch.randint(VOCAB, (20,), generator=g).tolist()
+    mixed = model.generate([prompt], prefixes=kv, max_new_tokens=6, stop_token_ids=[], logprobs=1)[0]
+    text = prompt + mixed.tokens
+    each = []
+    for doc in docs:
+        logits = model.core.forward(torch.tensor([doc.tolist() + text]))[0, len(doc):-1].float().cpu()
+        each.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(text[1:])[:, None])[:, 0])
+    each = torch.stack(each).double()
+    before = torch.cat([torch.zeros(2, 1, dtype=torch.float64), each.cumsum(1)[:, :-1]], 1)
+    mixture = torch.logsumexp(before + each, 0) - torch.logsumexp(before, 0)
+    got = torch.tensor([lp.logprob for lp in mixed.logprobs], dtype=torch.float64)
+    assert torch.allclose(got, mixture[len(prompt) - 1:], atol=0.1)
+    twice = model.generate([prompt], prefixes=[kv[0], kv[0]], max_new_tokens=6, stop_token_ids=[])[0]
+    single = model.generate([prompt], prefixes=[kv[0]], max_new_tokens=6, stop_token_ids=[])[0]
+    assert twice.tokens == single.tokens
