@@ -8,8 +8,12 @@
    (a) the document in every prompt, (b) the document's KV computed once per user and reused
    as a prefix, (c) a C-token cartridge per user (its values are the KV of the document's first
    C tokens: this measures serving, not quality). Tokens/s, time to first token, KV bytes/user.
+3. Composition: the same U users, each with two C-token cartridges of their own, ask their Q
+   questions with one cartridge, then with both composed by mixture (the default: a sequence
+   per cartridge) and by concatenation (one sequence behind both).
 
     python benchmarks/bench_serving.py [--device cpu|cuda] [--random-weights] [--skip-documents]
+                                       [--skip-composition]
 
 `--random-weights` builds the default model's shape with random weights (for a machine
 without the embedded model; speed does not depend on the values).
@@ -76,13 +80,15 @@ async def timed_request(engine, prompt, timings: Timings, **kwargs) -> None:
         timings.tokens += 1
 
 
-async def clients_run(engine, prompts_per_client: list[list[list[int]]], timings: Timings, **kwargs) -> float:
-    async def client(prompts):
+async def clients_run(engine, prompts_per_client: list[list[list[int]]], timings: Timings,
+                      prefixes_per_client: list[list] | None = None, **kwargs) -> float:
+    async def client(prompts, prefixes):
         for prompt in prompts:
-            await timed_request(engine, prompt, timings, **kwargs)
+            await timed_request(engine, prompt, timings, prefixes=prefixes, **kwargs)
 
     start = time.perf_counter()
-    await asyncio.gather(*(client(p) for p in prompts_per_client))
+    prefixes_per_client = prefixes_per_client or [[]] * len(prompts_per_client)
+    await asyncio.gather(*(client(p, c) for p, c in zip(prompts_per_client, prefixes_per_client)))
     return time.perf_counter() - start
 
 
@@ -163,6 +169,29 @@ def documents(model: Model, users: int, doc_tokens: int, questions: int, cartrid
     print(f"throughput (c)/(a) = {tput['c'] / tput['a']:.1f}x   (c)/(b) = {tput['c'] / tput['b']:.1f}x")
 
 
+def composition(model: Model, users: int, questions: int, cartridge_tokens: int, new_tokens: int) -> None:
+    rng = random.Random(1)
+    vocab = model.config.vocab_size
+
+    def cartridge():  # serving cost only: the KV of random tokens
+        return model.core.prefix_from_tokens(torch.tensor([rng.randrange(3, vocab) for _ in range(cartridge_tokens)]))
+
+    carts = [[cartridge(), cartridge()] for _ in range(users)]
+    asks = [[chat_prompt(model, QUESTIONS[(u + q) % len(QUESTIONS)]) for q in range(questions)] for u in range(users)]
+    kwargs = dict(max_new_tokens=new_tokens, stop_token_ids=[])
+    runs = {"one cartridge": ([c[:1] for c in carts], "mixture"),
+            "two, mixture (default)": (carts, "mixture"),
+            "two, concatenated": (carts, "concatenate")}
+    tput = {}
+    for label, (prefixes, how) in runs.items():
+        timings = Timings()
+        wall = asyncio.run(clients_run(model.engine, asks, timings, prefixes, composition=how, **kwargs))
+        tput[label] = timings.tokens / wall
+        print(timings.line(label, wall), flush=True)
+    print(f"two cartridges by mixture: {tput['two, mixture (default)'] / tput['one cartridge']:.2f}x one cartridge's "
+          f"throughput, {tput['two, mixture (default)'] / tput['two, concatenated']:.2f}x concatenation's")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -177,6 +206,7 @@ def main() -> None:
     parser.add_argument("--answer-tokens", type=int, default=64)
     parser.add_argument("--skip-concurrency", action="store_true")
     parser.add_argument("--skip-documents", action="store_true")
+    parser.add_argument("--skip-composition", action="store_true")
     args = parser.parse_args()
 
     model = random_smollm2(args.device) if args.random_weights else cartridges.load_model(device=args.device)
@@ -189,6 +219,8 @@ def main() -> None:
         concurrency(model, [int(n) for n in args.clients.split(",")], args.new_tokens, args.rounds)
     if not args.skip_documents:
         documents(model, args.users, args.doc_tokens, args.questions, args.cartridge_tokens, args.answer_tokens)
+    if not args.skip_composition:
+        composition(model, args.users, args.questions, args.cartridge_tokens, args.answer_tokens)
 
 
 if __name__ == "__main__":
