@@ -188,14 +188,17 @@ def test_train_and_chat_commands(model, tmp_path, monkeypatch, capsys):
         fingerprint = model.fingerprint
         core = model.core
 
-        def stream_chat(self, messages, cartridges=(), **kw):
+        def stream_chat(self, messages, cartridges=(), composition="mixture", **kw):
             assert [p.num_tokens for p in cartridges] == [16, 16]
-            yield "ok"
+            yield f"ok {composition}"
 
     monkeypatch.setattr(cartridges.model, "load_model", lambda path=None, **kw: Chatty())
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
     assert main(["chat", "--cartridge", str(out), "--cartridge", str(out)]) == 0
-    assert "ok" in capsys.readouterr().out
+    assert "ok mixture" in capsys.readouterr().out
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--cartridge", str(out), "--cartridge", str(out), "--composition", "concatenate"]) == 0
+    assert "ok concatenate" in capsys.readouterr().out
     out.write_bytes(out.read_bytes()[:-8])
     assert main(["chat", "--cartridge", str(out)]) == 1
     err = capsys.readouterr().err

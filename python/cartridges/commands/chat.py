@@ -32,7 +32,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "SmolLM2-135M-Instruct); with --server, a model id: the base model's or a cartridge's")
     parser.add_argument("--cartridge", metavar="CART", action="append", default=[],
                         help="a trained cartridge file (.safetensors, or a research .pt) as context; with --server, "
-                        "a cartridge id of that server (not a file); repeat to compose several, in order")
+                        "a cartridge id of that server (not a file); repeat to compose several (see --composition)")
+    parser.add_argument("--composition", choices=["mixture", "concatenate"], default="mixture",
+                        help="how several cartridges are composed: mixture (each reads the conversation on its own "
+                        "and the one that explains it best speaks; the default) or concatenate (their KV one "
+                        "after another, in order)")
     parser.add_argument("--server", metavar="URL",
                         help="chat with a running server (e.g. http://127.0.0.1:8000) instead of a local model")
     parser.add_argument("--api-key", metavar="KEY",
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{model.name} ready. /reset clears the conversation, /exit quits.", file=sys.stderr)
 
     def reply(messages: list[dict[str, Any]]) -> Iterator[str]:
-        return model.stream_chat(messages, cartridges=prefixes, max_tokens=args.max_tokens,
+        return model.stream_chat(messages, cartridges=prefixes, composition=args.composition, max_tokens=args.max_tokens,
                                  temperature=args.temperature, top_p=args.top_p, seed=args.seed)
 
     return _loop(args.system, reply)
@@ -142,7 +146,7 @@ def _run_server(args: argparse.Namespace) -> int:
     if args.seed is not None:
         options["seed"] = args.seed
     if args.cartridge:
-        options["extra_body"] = {"cartridges": list(args.cartridge)}
+        options["extra_body"] = {"cartridges": list(args.cartridge), "composition": args.composition}
 
     def reply(messages: list[dict[str, Any]]) -> Iterator[str]:
         import openai
