@@ -241,11 +241,14 @@ TEST_F(EngineTest, ThreadCountChangesBetweenStepsWithoutDisturbingRequests) {
 }
 
 TEST_F(EngineTest, MixtureOfOneCartridgeTwiceIsThatCartridge) {
-  auto a = prefix(random_tokens(6));
+  auto doc = random_tokens(6);
+  auto a = prefix(doc);
   auto single = greedy(random_tokens(9), 10, {a});
   auto twice = single;
-  twice.prefixes = {a, a};
+  twice.prefixes = {a, prefix(doc)};  // equal KV, two objects: two sequences mixed
   twice.composition = Composition::kMixture;
+  EXPECT_EQ(alone(twice).tokens, alone(single).tokens);
+  twice.prefixes = {a, a};  // the same object: composed once
   EXPECT_EQ(alone(twice).tokens, alone(single).tokens);
 }
 
@@ -286,5 +289,24 @@ TEST_F(EngineTest, MixtureWeighsEachCartridgeByTheLikelihoodOfWhatCameBefore) {
     auto mixture = at::logsumexp(at::stack(weighted), 0) - at::logsumexp(at::stack(befores), 0);
     EXPECT_NEAR(tokens[i].logprob, mixture[tokens[i].token].item<float>(), 2e-4) << "token " << i;
     EXPECT_EQ(tokens[i].top_ids[0], mixture.argmax().item<int64_t>());  // greedy from the mixture
+  }
+}
+
+// Each cartridge of a mixture has its own sequence: only the longest takes context in front,
+// while the pool holds the prompt and output once per cartridge.
+TEST_F(EngineTest, MixtureNeedsTheLongestCartridgesContextAndAPoolRangePerCartridge) {
+  EngineOptions options;
+  options.kv_tokens = 150;
+  Engine engine(model, options);
+  auto r = greedy(random_tokens(10), 60, {prefix(random_tokens(100)), prefix(random_tokens(100))});
+  EXPECT_THROW(engine.submit(r), ContextLengthError);  // concatenated: 200 + 10 + 60 > context of 256
+  r.composition = Composition::kMixture;
+  EXPECT_EQ(generate_all(engine, {r})[0].tokens.size(), 60u);  // 100 + 10 + 60 fits; 2 x 70 slots fit the pool
+  r.params.max_new_tokens = 70;
+  try {
+    engine.submit(r);  // 2 x 80 slots > 150
+    ADD_FAILURE() << "a mixture larger than the pool was queued";
+  } catch (const ContextLengthError& e) {
+    EXPECT_NE(std::string(e.what()).find("for each of its 2 sequences"), std::string::npos) << e.what();
   }
 }

@@ -138,7 +138,8 @@ enum class Composition {
   // One sequence per cartridge (same prompt, own KV range); each step samples from the
   // mixture of their next-token distributions, each weighted by the likelihood it gave to
   // everything before (prompt and output so far; a uniform prior): the cartridge that
-  // explains the conversation best speaks. Costs one sequence per cartridge.
+  // explains the conversation best speaks. Costs one sequence per cartridge (a cartridge
+  // given twice, the same object, is composed once).
   kMixture = 1,
 };
 

@@ -38,6 +38,15 @@ bool is_stop(const SamplingParams& params, int64_t token) {
   return std::find(params.stop_token_ids.begin(), params.stop_token_ids.end(), token) != params.stop_token_ids.end();
 }
 
+// Keeps the first of each cartridge (by identity), in order.
+void drop_repeats(PrefixList& prefixes) {
+  PrefixList kept;
+  for (const auto& p : prefixes) {
+    if (std::find(kept.begin(), kept.end(), p) == kept.end()) kept.push_back(p);
+  }
+  prefixes.swap(kept);
+}
+
 }  // namespace
 
 // A request as the compute thread sees it. Only the compute thread touches it after submit.
@@ -72,7 +81,10 @@ class EngineImpl {
 
   std::vector<int64_t> submit_all(std::vector<Request> requests) {
     std::vector<Sampler> samplers;
-    for (const auto& r : requests) samplers.push_back(check(r));
+    for (auto& r : requests) {
+      samplers.push_back(check(r));
+      if (r.composition == Composition::kMixture) drop_repeats(r.prefixes);  // a cartridge twice adds nothing
+    }
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopping_) throw EngineStoppedError("the engine has shut down");
     std::vector<int64_t> ids;
@@ -220,10 +232,9 @@ class EngineImpl {
     }
   }
 
-  // One sequence of a step: which request (and which of its mixture's sequences) it computes.
+  // One sequence of a step (a mixture has one per cartridge, consecutive).
   struct Part {
     Live* live;
-    int64_t branch;
     int64_t chunk;  // prompt tokens of this step, 0 when decoding
     int64_t start;  // prompt tokens in the pool before this step
     int64_t rows;   // logits rows it returns
@@ -257,7 +268,7 @@ class EngineImpl {
             seq.all_logits = live->branches > 1;  // a mixture weighs its cartridges by the prompt too
           }
           const int64_t rows = seq.all_logits ? seq.num_new : (seq.logits ? 1 : 0);
-          parts.push_back({live, b, chunk, s->prefilled, rows});
+          parts.push_back({live, chunk, s->prefilled, rows});
           batch.sequences.push_back(std::move(seq));
         }
       };

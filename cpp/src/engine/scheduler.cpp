@@ -17,9 +17,12 @@ void Scheduler::enqueue(int64_t id, Priority priority, int64_t prompt_tokens, in
               " sequences exceeds the engine's max_running (", options_.max_running,
               ") or prefill_tokens_per_step (", options_.prefill_tokens_per_step, ")");
   if (reserve > options_.kv_tokens) {
-    throw ContextLengthError("the request needs " + std::to_string(reserve) +
-                             " KV tokens (prompt + max tokens), more than the engine's whole KV pool of " +
-                             std::to_string(options_.kv_tokens) + " tokens");
+    const std::string what = rows > 1 ? "(prompt + max tokens, for each of its " + std::to_string(rows) +
+                                            " sequences: one per cartridge of a mixture)"
+                                      : "(prompt + max tokens)";
+    throw ContextLengthError("the request needs " + std::to_string(reserve) + " KV tokens " + what +
+                             ", more than the engine's whole KV pool of " + std::to_string(options_.kv_tokens) +
+                             " tokens");
   }
   if (waiting() >= options_.max_waiting) {
     throw EngineBusyError("the engine is busy: " + std::to_string(waiting()) +
