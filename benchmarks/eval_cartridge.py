@@ -36,6 +36,7 @@ training again, and an interrupted training resumes from its checkpoint.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -555,39 +556,9 @@ def print_table(report: dict) -> None:
         print(f"| **{split} average** | | | | " + " | ".join(cells) + f" | {rec} | {avg['kv_ratio']:.1f}× |")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--docs", type=names_list, default=list(ALL_DOCS), help="documents to evaluate (comma-separated)")
-    parser.add_argument("--tune", type=names_list, default=list(DEFAULT_TUNE),
-                        help="the tuning subset (choose settings on these); the others are reported as held out")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                        help="a TrainConfig field for training (repeatable), e.g. --set num_samples=64")
-    parser.add_argument("--baselines-only", action="store_true", help="no training: none, in_context, truncated, init")
-    parser.add_argument("--compose", type=names_list, metavar="A,B", help="compose the cartridges of two documents")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke run: tiny synthesis and training ({QUICK_CONFIG}), {QUICK_QUESTIONS} questions")
-    parser.add_argument("--cartridge-dir", type=Path, default=Path("benchmarks/.cartridges"),
-                        help="where trained cartridges are kept and reused (default: %(default)s)")
-    parser.add_argument("--max-questions", type=int, default=0, help="N questions per document, taken in turn from each kind (0: all)")
-    parser.add_argument("--max-reply", type=int, default=48, help="greedy reply tokens for the contains-match")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads (default: all cores)")
-    parser.add_argument("--out", metavar="PATH", help="write every figure (and every reply) as JSON here")
-    parser.add_argument("--check-docs", action="store_true",
-                        help="only check the documents (token counts, kinds, literal answers in the text) and exit")
-    args = parser.parse_args()
-    if args.compose and len(args.compose) != 2:
-        parser.error("--compose takes two documents: A,B")
-    if args.quick and not args.max_questions:
-        args.max_questions = QUICK_QUESTIONS
-
-    torch.set_num_threads(args.threads)  # before the engine starts: its compute thread follows it
-    model = cartridges.load_model()
-    if args.check_docs:
-        return check_docs(model, args.docs)
-    config = TrainConfig(**{**(QUICK_CONFIG if args.quick else {}), **parse_overrides(args.overrides)})
-    names = list(dict.fromkeys([*args.docs, *(args.compose or [])]))
-    docs = {n: load_document(n) for n in names}
-    t0 = time.perf_counter()
+def run_suite(model, docs: dict[str, Document], config: TrainConfig, args) -> dict[str, Any]:
+    """Every document of --docs under every condition (training its cartridge with `config`
+    unless --baselines-only), the averages by split, and --compose's composition."""
     report: dict[str, Any] = {
         "model": model.name, "threads": args.threads, "quick": args.quick, "baselines_only": args.baselines_only,
         "config": None if args.baselines_only else config.to_dict(), "init_config": config.to_dict(),
@@ -612,13 +583,98 @@ def main() -> int:
         report["composition"] = {"init": compose(model, docs, args.compose, inits, args, "init", memo)}
         if not args.baselines_only:
             report["composition"]["trained"] = compose(model, docs, args.compose, carts, args, "cartridge", memo)
+    print_table(report)
+    return report
+
+
+def across_seeds(reports: dict[int, dict]) -> dict[str, Any]:
+    """What several seeds say together: per document the trained cartridge's recovered under
+    each seed, their mean and the worst, and whether it beat its initialization under every
+    seed; the mean by split over documents and seeds; the worst composition kept."""
+    first = next(iter(reports.values()))
+    out: dict[str, Any] = {"seeds": list(reports), "documents": {}, "splits": {}}
+    for name, doc in first["documents"].items():
+        if "cartridge" not in doc["recovered"]:
+            continue
+        each = [r["documents"][name]["recovered"]["cartridge"]["all"] for r in reports.values()]
+        init = doc["recovered"]["init"]["all"]
+        out["documents"][name] = {"split": doc["split"], "recovered": each, "mean": sum(each) / len(each),
+                                  "worst": min(each), "init": init, "above_init_every_seed": min(each) > init}
+    for split in ("tune", "held_out"):
+        means = [d["mean"] for d in out["documents"].values() if d["split"] == split]
+        if means:
+            out["splits"][split] = sum(means) / len(means)
+    kept = [e[key]["gain_kept"] for r in reports.values() if "trained" in r.get("composition", {})
+            for e in r["composition"]["trained"]["documents"].values() for key in e
+            if key not in ("single_gain", "none", "single") and not key.endswith("concatenated")]
+    if kept:
+        out["composition_worst_kept"] = None if None in kept else min(kept)
+    print("\n| document | split | recovered by seed | mean | worst | init | above init every seed |\n|---|---|---|---|---|---|---|")
+    for name, d in out["documents"].items():
+        print(f"| {name} | {d['split']} | {' / '.join(f'{v:.2f}' for v in d['recovered'])} | {d['mean']:.2f} | "
+              f"{d['worst']:.2f} | {d['init']:.2f} | {'yes' if d['above_init_every_seed'] else 'no'} |")
+    for split, mean in out["splits"].items():
+        print(f"| **{split} mean over seeds** | | | **{mean:.2f}** | | | |")
+    if kept:
+        worst = out["composition_worst_kept"]
+        print("composition (default), worst share of a single-cartridge gain kept over seeds: "
+              + ("n/a (no single gain)" if worst is None else f"{worst:.2f}"))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--docs", type=names_list, default=list(ALL_DOCS), help="documents to evaluate (comma-separated)")
+    parser.add_argument("--tune", type=names_list, default=list(DEFAULT_TUNE),
+                        help="the tuning subset (choose settings on these); the others are reported as held out")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a TrainConfig field for training (repeatable), e.g. --set num_samples=64")
+    parser.add_argument("--baselines-only", action="store_true", help="no training: none, in_context, truncated, init")
+    parser.add_argument("--compose", type=names_list, metavar="A,B", help="compose the cartridges of two documents")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"smoke run: tiny synthesis and training ({QUICK_CONFIG}), {QUICK_QUESTIONS} questions")
+    parser.add_argument("--cartridge-dir", type=Path, default=Path("benchmarks/.cartridges"),
+                        help="where trained cartridges are kept and reused (default: %(default)s)")
+    parser.add_argument("--max-questions", type=int, default=0, help="N questions per document, taken in turn from each kind (0: all)")
+    parser.add_argument("--max-reply", type=int, default=48, help="greedy reply tokens for the contains-match")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads (default: all cores)")
+    parser.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], metavar="S,S,...",
+                        help="train and evaluate under each of these seeds and report them together (the "
+                        "quality figures vary much between seeds at this model size); default: the config's seed")
+    parser.add_argument("--out", metavar="PATH", help="write every figure (and every reply) as JSON here")
+    parser.add_argument("--check-docs", action="store_true",
+                        help="only check the documents (token counts, kinds, literal answers in the text) and exit")
+    args = parser.parse_args()
+    if args.compose and len(args.compose) != 2:
+        parser.error("--compose takes two documents: A,B")
+    if args.quick and not args.max_questions:
+        args.max_questions = QUICK_QUESTIONS
+
+    torch.set_num_threads(args.threads)  # before the engine starts: its compute thread follows it
+    model = cartridges.load_model()
+    if args.check_docs:
+        return check_docs(model, args.docs)
+    config = TrainConfig(**{**(QUICK_CONFIG if args.quick else {}), **parse_overrides(args.overrides)})
+    names = list(dict.fromkeys([*args.docs, *(args.compose or [])]))
+    docs = {n: load_document(n) for n in names}
+    t0 = time.perf_counter()
+    seeds = args.seeds or [config.seed]
+    reports = {}
+    for seed in seeds:
+        if len(seeds) > 1:
+            print(f"== seed {seed}", file=sys.stderr)
+        reports[seed] = run_suite(model, docs, dataclasses.replace(config, seed=seed), args)
+    if len(seeds) == 1:
+        report = reports[seeds[0]]
+    else:
+        report = {"seeds": {str(s): r for s, r in reports.items()}, "across_seeds": across_seeds(reports)}
     report["wall_s"] = time.perf_counter() - t0
 
-    summary = {k: v for k, v in report.items() if k != "documents"}
-    summary["documents"] = {n: {k: v for k, v in d.items() if k not in ("per_question", "train_stats")}
-                            for n, d in report["documents"].items()}
-    print(json.dumps(summary, indent=1))
-    print_table(report)
+    if len(seeds) == 1:
+        summary = {k: v for k, v in report.items() if k != "documents"}
+        summary["documents"] = {n: {k: v for k, v in d.items() if k not in ("per_question", "train_stats")}
+                                for n, d in report["documents"].items()}
+        print(json.dumps(summary, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0
