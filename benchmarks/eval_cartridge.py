@@ -609,7 +609,8 @@ def across_seeds(reports: dict[int, dict]) -> dict[str, Any]:
             if key not in ("single_gain", "none", "single") and not key.endswith("concatenated")]
     if kept:
         out["composition_worst_kept"] = None if None in kept else min(kept)
-    print("\n| document | split | recovered by seed | mean | worst | init | above init every seed |\n|---|---|---|---|---|---|---|")
+    print("\n| document | split | recovered by seed | mean | worst | init | above init every seed |")
+    print("|---|---|---|---|---|---|---|")
     for name, d in out["documents"].items():
         print(f"| {name} | {d['split']} | {' / '.join(f'{v:.2f}' for v in d['recovered'])} | {d['mean']:.2f} | "
               f"{d['worst']:.2f} | {d['init']:.2f} | {'yes' if d['above_init_every_seed'] else 'no'} |")

@@ -76,8 +76,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{model.name} ready. /reset clears the conversation, /exit quits.", file=sys.stderr)
 
     def reply(messages: list[dict[str, Any]]) -> Iterator[str]:
-        return model.stream_chat(messages, cartridges=prefixes, composition=args.composition, max_tokens=args.max_tokens,
-                                 temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        return model.stream_chat(messages, cartridges=prefixes, composition=args.composition,
+                                 max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                 seed=args.seed)
 
     return _loop(args.system, reply)
 

@@ -56,8 +56,8 @@ class ChatCompletionRequest(BaseModel):
     model: str = Field(description="A cartridge id (full or bare run id; loaded on demand) or the base model's id.")
     messages: list[ChatMessage] = Field(min_length=1)
     cartridges: list[str | CartridgeRef] | None = Field(
-        default=None, description="Extension: cartridges composed in this order in front of the conversation "
-        "(after the `model` cartridge, if any).")
+        default=None, description="Extension: more cartridges as context, composed with the `model` cartridge "
+        "(if any) as `composition` says.")
     composition: Literal["mixture", "concatenate"] = Field(
         default="mixture", description="Extension: how two or more cartridges are composed. `mixture`: each "
         "cartridge reads the conversation on its own, and each token is drawn from their predictions weighted by "
