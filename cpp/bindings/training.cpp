@@ -83,6 +83,7 @@ void bind_training(py::module_& m) {
       .def_readwrite("grad_accum", &TrainOptions::grad_accum)
       .def_readwrite("cosine", &TrainOptions::cosine)
       .def_readwrite("seed", &TrainOptions::seed)
+      .def_readwrite("weigh_tokens", &TrainOptions::weigh_tokens)
       .def_readwrite("checkpoint_path", &TrainOptions::checkpoint_path)
       .def_readwrite("checkpoint_every", &TrainOptions::checkpoint_every)
       .def_readwrite("resume", &TrainOptions::resume)
@@ -127,6 +128,9 @@ void bind_training(py::module_& m) {
       py::arg("model"), py::arg("params"), py::arg("data"), py::arg("options"), py::arg("on_progress") = py::none(),
       py::arg("cancel") = nullptr,
       "Trains params in place with the GIL released. on_progress(TrainProgress) returning False cancels.");
+
+  m.def("training_order", &training_order, py::arg("n"), py::arg("seed"), py::arg("epoch"),
+        "The order in which epoch `epoch` of a run with `seed` takes n conversations.");
 
   m.def(
       "length_groups",

@@ -114,6 +114,58 @@ def test_loss_decreases_and_frozen_token_stays(model):
     assert all(torch.equal(a, b) for a, b in zip(frozen, params.frozen_keys))
 
 
+def with_targets(data: cartridges_core.TrainingData, per_row: list[int]) -> cartridges_core.TrainingData:
+    """`data` with only the first per_row[r] targets of each row r kept."""
+    mask = data.target_mask.clone()
+    keep = []
+    for r, n in enumerate(per_row):
+        positions = data.target_mask[r].nonzero().squeeze(1)
+        mask[r, positions[n:]] = False
+        keep.append(torch.arange(len(positions)) < n)
+    keep = torch.cat(keep)
+    return cartridges_core.TrainingData(data.tokens, data.lengths, mask, data.topk_ids[keep].contiguous(),
+                                        data.topk_logprobs[keep].contiguous())
+
+
+@pytest.mark.parametrize("weigh_tokens", [True, False])
+def test_training_loop_matches_plain_pytorch(model, weigh_tokens):
+    """The loop against torch.optim.Adam on the reference loss, with steps of very different
+    target counts: weigh_tokens divides every step's summed loss by the run's mean targets per
+    step, otherwise by the step's own targets."""
+    data = with_targets(random_data(model.config.vocab_size, n=6), [9, 1, 8, 2, 1, 9])
+    kw = dict(epochs=2, batch_size=2, seed=3, weigh_tokens=weigh_tokens)
+    params = prefix_params(model)
+    ref_trainable, _, _ = reference_prefix(model, params)
+    cartridges_core.train_cartridge(model.core, params, data, options(**kw))
+
+    counts = data.target_mask.sum(1)
+    mean_step_targets = float(counts.sum()) * 2 / 6
+    L = model.config.num_layers
+    adam = torch.optim.Adam(ref_trainable, lr=options().lr)
+    for epoch in range(2):
+        order = cartridges_core.training_order(6, 3, epoch)
+        for j in range(3):
+            rows = order[2 * j : 2 * j + 2]
+            keys = [torch.cat([f, t], 1) for f, t in zip(params.frozen_keys, ref_trainable[:L])]
+            values = [torch.cat([f, t], 1) for f, t in zip(params.frozen_values, ref_trainable[L:])]
+            loss = reference.distillation_loss_sum(model.weights, model.config, data, rows, keys, values)
+            (loss / (mean_step_targets if weigh_tokens else float(counts[rows].sum()))).backward()
+            adam.step()
+            adam.zero_grad()
+    for got, want in zip((*params.trainable_keys, *params.trainable_values), ref_trainable):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_weigh_tokens_changes_the_cartridge(model):
+    data = with_targets(random_data(model.config.vocab_size, n=6), [9, 1, 8, 2, 1, 9])
+    trained = []
+    for weigh in (True, False):
+        params = prefix_params(model)
+        cartridges_core.train_cartridge(model.core, params, data, options(epochs=2, batch_size=2, weigh_tokens=weigh))
+        trained.append(snapshot(params))
+    assert any(not torch.allclose(a, b) for a, b in zip(*trained))
+
+
 def test_resume_equals_uninterrupted_run(model, tmp_path):
     data = random_data(model.config.vocab_size, n=7)
     kw = dict(epochs=3, batch_size=2, grad_accum=2, cosine=True, seed=5)

@@ -93,6 +93,10 @@ struct TrainOptions {
   int64_t grad_accum = 1;       // micro-batches per optimizer step
   bool cosine = false;          // cosine decay of lr from adam.lr to 0 over all steps
   int64_t seed = 0;             // order of conversations: a permutation per epoch from (seed, epoch)
+  // How a step's loss is averaged. false: over the step's own targets, so every step weighs the
+  // same. true: its summed loss over the run's mean targets per step, so every target token weighs
+  // the same and a step of a few short answers (cloze rows) moves the cartridge little.
+  bool weigh_tokens = false;
   std::string checkpoint_path;  // empty: no checkpoints
   int64_t checkpoint_every = 0; // steps between checkpoints (and one at the end); 0: never
   bool resume = false;          // start from checkpoint_path when it exists

@@ -146,6 +146,10 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
               total);
   auto counts = data.target_mask.sum(1);
   auto counts_a = counts.accessor<int64_t, 1>();
+  // weigh_tokens: every step's loss sum is divided by the same number, the targets of an average
+  // step, so that each target token weighs the same wherever it falls.
+  const double mean_step_targets =
+      std::max(1.0, static_cast<double>(counts.sum().item<int64_t>()) * static_cast<double>(per_step) / n);
   auto cancelled = [&] { return cancel != nullptr && cancel->load(); };
 
   TrainResult result;
@@ -161,6 +165,7 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
     const int64_t begin = j * per_step, end = std::min(begin + per_step, n);
     int64_t step_targets = 0;
     for (int64_t i = begin; i < end; ++i) step_targets += counts_a[order[i]];
+    const double divisor = options.weigh_tokens ? mean_step_targets : static_cast<double>(step_targets);
 
     double step_loss = 0.0;
     for (int64_t mb = begin; mb < end && !result.cancelled; mb += options.batch_size) {
@@ -174,9 +179,9 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
         ComputeLock turn;  // takes turns with the serving engine instead of oversubscribing cores
         auto [loss_sum, count] =
             distillation_loss_sum(model, params, data, group, options.companion, options.companion_every);
-        auto loss = loss_sum / static_cast<double>(step_targets);
+        auto loss = loss_sum / divisor;
         loss.backward();
-        step_loss += loss.item<double>();
+        step_loss += loss_sum.item<double>() / static_cast<double>(std::max<int64_t>(step_targets, 1));
       }
     }
     if (result.cancelled) {
