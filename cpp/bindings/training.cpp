@@ -83,7 +83,10 @@ void bind_training(py::module_& m) {
       .def_readwrite("grad_accum", &TrainOptions::grad_accum)
       .def_readwrite("cosine", &TrainOptions::cosine)
       .def_readwrite("seed", &TrainOptions::seed)
-      .def_readwrite("weigh_tokens", &TrainOptions::weigh_tokens)
+      .def_property(
+          "weighting", [](const TrainOptions& o) { return std::string(loss_weighting_name(o.weighting)); },
+          [](TrainOptions& o, const std::string& name) { o.weighting = parse_loss_weighting(name); },
+          "How a step's loss is averaged: \"step\", \"token\" or \"row\" (see TrainConfig.loss_weighting).")
       .def_readwrite("checkpoint_path", &TrainOptions::checkpoint_path)
       .def_readwrite("checkpoint_every", &TrainOptions::checkpoint_every)
       .def_readwrite("resume", &TrainOptions::resume)

@@ -234,7 +234,7 @@ def train(
         options.batch_size = config.batch_size
         options.grad_accum = config.grad_accum
         options.cosine = config.cosine
-        options.weigh_tokens = config.weigh_tokens
+        options.weighting = config.loss_weighting
         options.seed = config.seed
         if companion_fits(core, config, params):
             # The stand-in for another cartridge in front: KV of unrelated text, as long as this one.

@@ -127,13 +127,13 @@ def with_targets(data: cartridges_core.TrainingData, per_row: list[int]) -> cart
                                         data.topk_logprobs[keep].contiguous())
 
 
-@pytest.mark.parametrize("weigh_tokens", [True, False])
-def test_training_loop_matches_plain_pytorch(model, weigh_tokens):
+@pytest.mark.parametrize("weighting", ["step", "token", "row"])
+def test_training_loop_matches_plain_pytorch(model, weighting):
     """The loop against torch.optim.Adam on the reference loss, with steps of very different
-    target counts: weigh_tokens divides every step's summed loss by the run's mean targets per
-    step, otherwise by the step's own targets."""
+    target counts. A step's summed loss is divided by its own targets ("step") or by the run's
+    mean targets per step ("token"); "row" averages each row's mean loss over the step's rows."""
     data = with_targets(random_data(model.config.vocab_size, n=6), [9, 1, 8, 2, 1, 9])
-    kw = dict(epochs=2, batch_size=2, seed=3, weigh_tokens=weigh_tokens)
+    kw = dict(epochs=2, batch_size=2, seed=3, weighting=weighting)
     params = prefix_params(model)
     ref_trainable, _, _ = reference_prefix(model, params)
     cartridges_core.train_cartridge(model.core, params, data, options(**kw))
@@ -148,22 +148,37 @@ def test_training_loop_matches_plain_pytorch(model, weigh_tokens):
             rows = order[2 * j : 2 * j + 2]
             keys = [torch.cat([f, t], 1) for f, t in zip(params.frozen_keys, ref_trainable[:L])]
             values = [torch.cat([f, t], 1) for f, t in zip(params.frozen_values, ref_trainable[L:])]
-            loss = reference.distillation_loss_sum(model.weights, model.config, data, rows, keys, values)
-            (loss / (mean_step_targets if weigh_tokens else float(counts[rows].sum()))).backward()
+
+            def loss_of(rows):
+                return reference.distillation_loss_sum(model.weights, model.config, data, rows, keys, values)
+
+            if weighting == "row":
+                loss = sum(loss_of([r]) / float(counts[r]) for r in rows) / len(rows)
+            else:
+                loss = loss_of(rows) / (mean_step_targets if weighting == "token" else float(counts[rows].sum()))
+            loss.backward()
             adam.step()
             adam.zero_grad()
     for got, want in zip((*params.trainable_keys, *params.trainable_values), ref_trainable):
         torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-4, atol=1e-5)
 
 
-def test_weigh_tokens_changes_the_cartridge(model):
+def test_loss_weightings_train_different_cartridges(model):
     data = with_targets(random_data(model.config.vocab_size, n=6), [9, 1, 8, 2, 1, 9])
     trained = []
-    for weigh in (True, False):
+    for weighting in ("step", "token", "row"):
         params = prefix_params(model)
-        cartridges_core.train_cartridge(model.core, params, data, options(epochs=2, batch_size=2, weigh_tokens=weigh))
+        cartridges_core.train_cartridge(model.core, params, data, options(epochs=2, batch_size=2, weighting=weighting))
         trained.append(snapshot(params))
-    assert any(not torch.allclose(a, b) for a, b in zip(*trained))
+    for a, b in ((0, 1), (0, 2), (1, 2)):
+        assert any(not torch.allclose(x, y) for x, y in zip(trained[a], trained[b])), (a, b)
+
+
+def test_unknown_loss_weighting_is_refused():
+    with pytest.raises(Exception, match="step.*token.*row"):
+        cartridges_core.TrainOptions().weighting = "tokens"
+    with pytest.raises(ValueError, match="loss_weighting"):
+        TrainConfig(loss_weighting="tokens")
 
 
 def test_resume_equals_uninterrupted_run(model, tmp_path):

@@ -57,6 +57,11 @@ std::pair<at::Tensor, int64_t> distillation_loss_sum(const LlamaModel& model, co
                                                      const TrainingData& data, const std::vector<int64_t>& rows,
                                                      const PrefixPtr& companion = nullptr,
                                                      int64_t companion_every = 0);
+// The same loss per target: [T] float32, the targets of rows[0] first (in sequence order), then
+// those of rows[1], and so on. Its sum is distillation_loss_sum's.
+at::Tensor distillation_target_losses(const LlamaModel& model, const CartridgeParams& params,
+                                      const TrainingData& data, const std::vector<int64_t>& rows,
+                                      const PrefixPtr& companion = nullptr, int64_t companion_every = 0);
 
 struct AdamOptions {
   double lr = 2e-2;
@@ -86,6 +91,11 @@ class Adam {
   int64_t step_ = 0;
 };
 
+enum class LossWeighting { kStep, kToken, kRow };
+// "step", "token", "row"; parse_loss_weighting raises c10::Error on any other name.
+const char* loss_weighting_name(LossWeighting w);
+LossWeighting parse_loss_weighting(const std::string& name);
+
 struct TrainOptions {
   AdamOptions adam;             // lr 2e-2 by default
   int64_t epochs = 1;           // passes over the data
@@ -93,10 +103,12 @@ struct TrainOptions {
   int64_t grad_accum = 1;       // micro-batches per optimizer step
   bool cosine = false;          // cosine decay of lr from adam.lr to 0 over all steps
   int64_t seed = 0;             // order of conversations: a permutation per epoch from (seed, epoch)
-  // How a step's loss is averaged. false: over the step's own targets, so every step weighs the
-  // same. true: its summed loss over the run's mean targets per step, so every target token weighs
-  // the same and a step of a few short answers (cloze rows) moves the cartridge little.
-  bool weigh_tokens = false;
+  // How a step's loss is averaged. kStep: over the step's own targets, so every step weighs the
+  // same, but within a step a row of 128 targets (recall) outweighs one of 2 (cloze) 64 times.
+  // kToken: the step's summed loss over the run's mean targets per step, so every target token
+  // weighs the same wherever it falls. kRow: each row's mean over its own targets, averaged over
+  // the step's rows, so every conversation weighs the same, a short answer as much as a long one.
+  LossWeighting weighting = LossWeighting::kStep;
   std::string checkpoint_path;  // empty: no checkpoints
   int64_t checkpoint_every = 0; // steps between checkpoints (and one at the end); 0: never
   bool resume = false;          // start from checkpoint_path when it exists

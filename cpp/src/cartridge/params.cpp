@@ -69,9 +69,9 @@ void TrainingData::validate(int64_t vocab_size) const {
               "TrainingData: tokens outside the vocabulary of ", vocab_size);
 }
 
-std::pair<at::Tensor, int64_t> distillation_loss_sum(const LlamaModel& model, const CartridgeParams& params,
-                                                     const TrainingData& data, const std::vector<int64_t>& rows,
-                                                     const PrefixPtr& companion, int64_t companion_every) {
+at::Tensor distillation_target_losses(const LlamaModel& model, const CartridgeParams& params,
+                                      const TrainingData& data, const std::vector<int64_t>& rows,
+                                      const PrefixPtr& companion, int64_t companion_every) {
   TORCH_CHECK(!rows.empty(), "distillation_loss_sum: no rows");
   TORCH_CHECK(params.num_layers() == model.config().num_layers, "distillation_loss_sum: the cartridge has ",
               params.num_layers(), " layers, the model ", model.config().num_layers);
@@ -109,8 +109,14 @@ std::pair<at::Tensor, int64_t> distillation_loss_sum(const LlamaModel& model, co
   auto hidden = model.forward_hidden(batch, nullptr);                      // [B, S, hidden]
   // Only target positions reach the lm_head: the vocabulary is large.
   auto logprobs = at::log_softmax(model.logits(hidden.index({mask.to(device)})), -1);  // [T, V] float32
-  auto loss = -(teacher.exp() * logprobs.gather(1, ids)).sum();
-  return {loss, static_cast<int64_t>(target_rows.size())};
+  return -(teacher.exp() * logprobs.gather(1, ids)).sum(1);
+}
+
+std::pair<at::Tensor, int64_t> distillation_loss_sum(const LlamaModel& model, const CartridgeParams& params,
+                                                     const TrainingData& data, const std::vector<int64_t>& rows,
+                                                     const PrefixPtr& companion, int64_t companion_every) {
+  auto losses = distillation_target_losses(model, params, data, rows, companion, companion_every);
+  return {losses.sum(), losses.size(0)};
 }
 
 }  // namespace cartridges

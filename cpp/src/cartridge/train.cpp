@@ -58,6 +58,22 @@ std::vector<std::vector<int64_t>> length_groups(std::vector<int64_t> rows, const
   return groups;
 }
 
+const char* loss_weighting_name(LossWeighting w) {
+  switch (w) {
+    case LossWeighting::kStep: return "step";
+    case LossWeighting::kToken: return "token";
+    case LossWeighting::kRow: return "row";
+  }
+  return "?";
+}
+
+LossWeighting parse_loss_weighting(const std::string& name) {
+  for (auto w : {LossWeighting::kStep, LossWeighting::kToken, LossWeighting::kRow}) {
+    if (name == loss_weighting_name(w)) return w;
+  }
+  TORCH_CHECK(false, "loss weighting must be \"step\", \"token\" or \"row\", got \"", name, "\"");
+}
+
 int64_t TrainOptions::total_steps(int64_t n) const {
   const int64_t per_step = batch_size * grad_accum;
   return epochs * ((n + per_step - 1) / per_step);
@@ -146,8 +162,8 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
               total);
   auto counts = data.target_mask.sum(1);
   auto counts_a = counts.accessor<int64_t, 1>();
-  // weigh_tokens: every step's loss sum is divided by the same number, the targets of an average
-  // step, so that each target token weighs the same wherever it falls.
+  // kToken: every step's loss sum is divided by the same number, the targets of an average step,
+  // so that each target token weighs the same wherever it falls.
   const double mean_step_targets =
       std::max(1.0, static_cast<double>(counts.sum().item<int64_t>()) * static_cast<double>(per_step) / n);
   auto cancelled = [&] { return cancel != nullptr && cancel->load(); };
@@ -165,7 +181,9 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
     const int64_t begin = j * per_step, end = std::min(begin + per_step, n);
     int64_t step_targets = 0;
     for (int64_t i = begin; i < end; ++i) step_targets += counts_a[order[i]];
-    const double divisor = options.weigh_tokens ? mean_step_targets : static_cast<double>(step_targets);
+    const double divisor = options.weighting == LossWeighting::kToken ? mean_step_targets
+                           : options.weighting == LossWeighting::kRow ? static_cast<double>(end - begin)
+                                                                      : static_cast<double>(step_targets);
 
     double step_loss = 0.0;
     for (int64_t mb = begin; mb < end && !result.cancelled; mb += options.batch_size) {
@@ -177,10 +195,18 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
       // The micro-batch's gradient as the sum of its length groups' (the same sum, less padding).
       for (const auto& group : length_groups(rows, data.lengths, kLengthGroupOverhead)) {
         ComputeLock turn;  // takes turns with the serving engine instead of oversubscribing cores
-        auto [loss_sum, count] =
-            distillation_loss_sum(model, params, data, group, options.companion, options.companion_every);
-        auto loss = loss_sum / divisor;
-        loss.backward();
+        auto losses =
+            distillation_target_losses(model, params, data, group, options.companion, options.companion_every);
+        auto loss_sum = losses.sum();
+        if (options.weighting == LossWeighting::kRow) {
+          // Each target weighs 1 / its row's targets: every row's mean counts once.
+          std::vector<float> weights;
+          for (int64_t r : group) weights.insert(weights.end(), counts_a[r], 1.0f / static_cast<float>(counts_a[r]));
+          (losses * at::tensor(weights).to(losses.device())).sum().div(divisor).backward();
+        } else {
+          loss_sum.div(divisor).backward();
+        }
+        // Reported: the step's mean loss per target, whatever the weighting.
         step_loss += loss_sum.item<double>() / static_cast<double>(std::max<int64_t>(step_targets, 1));
       }
     }

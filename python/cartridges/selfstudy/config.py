@@ -9,6 +9,7 @@ from typing import Any
 
 INITS = ("corpus", "spread", "text")
 OBJECTIVES = ("distill", "next_token")
+LOSS_WEIGHTINGS = ("step", "token", "row")
 
 
 def default_quality_samples(num_samples: int) -> int:
@@ -86,12 +87,14 @@ class TrainConfig:
     """Micro-batches per optimizer step."""
     cosine: bool = True
     """Cosine decay of the learning rate to 0 over the run."""
-    weigh_tokens: bool = False
-    """How a step's loss is averaged. False: over the step's own target tokens, so every step
-    weighs the same, even one that drew a few short cloze answers. True: the step's summed loss
-    over the targets of an average step, so every target token weighs the same. Screened on
-    2026-11-23 (benchmarks/README.md): +0.06 on the tuning document, no gain on the held-out
-    ones over two seeds (0.47 against 0.49), so not the default."""
+    loss_weighting: str = "step"
+    """How a step's loss is averaged over its conversations' answer tokens. "step": the step's
+    mean per token, so within a step a recall answer (128 tokens) outweighs a cloze answer (a
+    few) some 60 times. "token": the step's summed loss over the targets of an average step, so
+    every token weighs the same across the run. "row": each conversation's mean per token,
+    averaged over the step's conversations, so a short answer weighs as much as a long one.
+    Screened on 2026-11-23 (benchmarks/README.md), on the suite's documents over two seeds:
+    "token" 0.47 and "row" 0.39 recovered on the held-out documents, against 0.49 for "step"."""
     companion_every: int = 3
     """Composition: every companion_every-th conversation is trained with a stand-in for another
     cartridge in front (the KV of unrelated text, as long as this cartridge), as it would be
@@ -122,6 +125,8 @@ class TrainConfig:
             raise ValueError("teacher_tokens must be non-negative (0: the teacher sees the chunk alone)")
         if not 0 <= self.num_frozen < self.num_tokens:
             raise ValueError("num_frozen must be in [0, num_tokens)")
+        if self.loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}")
         if self.lr <= 0:
             raise ValueError("lr must be positive")
         if self.quality_samples is None and self.num_samples is not None:
