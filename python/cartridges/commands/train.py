@@ -17,7 +17,7 @@ def _options():
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from ..selfstudy.config import INITS, OBJECTIVES, TrainConfig
+    from ..selfstudy.config import INITS, LOSS_WEIGHTINGS, OBJECTIVES, TrainConfig
 
     parser = subparsers.add_parser(
         "train",
@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     defaults = TrainConfig()
-    choices = {"init": INITS, "objective": OBJECTIVES}
+    choices = {"init": INITS, "objective": OBJECTIVES, "loss_weighting": LOSS_WEIGHTINGS}
     for f in fields(TrainConfig):
         value = getattr(defaults, f.name)
         flag = "--" + f.name.replace("_", "-")
