@@ -72,8 +72,8 @@ void TrainingData::validate(int64_t vocab_size) const {
 at::Tensor distillation_target_losses(const LlamaModel& model, const CartridgeParams& params,
                                       const TrainingData& data, const std::vector<int64_t>& rows,
                                       const PrefixPtr& companion, int64_t companion_every) {
-  TORCH_CHECK(!rows.empty(), "distillation_loss_sum: no rows");
-  TORCH_CHECK(params.num_layers() == model.config().num_layers, "distillation_loss_sum: the cartridge has ",
+  TORCH_CHECK(!rows.empty(), "distillation loss: no rows");
+  TORCH_CHECK(params.num_layers() == model.config().num_layers, "distillation loss: the cartridge has ",
               params.num_layers(), " layers, the model ", model.config().num_layers);
   const int64_t B = static_cast<int64_t>(rows.size());
   // Where each row's targets start in topk_ids (targets are stored in row-major mask order).
@@ -85,7 +85,7 @@ at::Tensor distillation_target_losses(const LlamaModel& model, const CartridgePa
   int64_t S = 0;
   for (int64_t i = 0; i < B; ++i) {
     const int64_t r = rows[i];
-    TORCH_CHECK(r >= 0 && r < data.size(), "distillation_loss_sum: row ", r, " out of range");
+    TORCH_CHECK(r >= 0 && r < data.size(), "distillation loss: row ", r, " out of range");
     lengths[i] = data.lengths[r].item<int64_t>();
     S = std::max(S, lengths[i]);
     for (int64_t t = 0; t < counts_a[r]; ++t) target_rows.push_back(starts_a[r] + t);
