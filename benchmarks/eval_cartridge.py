@@ -311,7 +311,7 @@ def get_cartridge(model, doc: Document, config: TrainConfig, directory: Path) ->
     if path.exists() and stats_path.exists():
         print(f"[{doc.name}] cartridge from {path}", file=sys.stderr)
         return Cartridge.load(path, model), {**json.loads(stats_path.read_text()), "cached": True}
-    conversations = config.for_corpus(len(model.tokenizer.encode(doc.text))).num_samples
+    conversations = config.for_corpus(len(Corpus.from_texts(model.tokenizer, [doc.text]))).num_samples
     checkpoint = base.with_suffix(".ckpt")
     # Synthesized data is kept apart, under a key of what synthesis depends on: settings that
     # change training only (lr, epochs, ...) reuse it.
@@ -377,6 +377,9 @@ def evaluate_document(model, doc: Document, config: TrainConfig, args, split: st
                       memo: dict) -> tuple[dict, Cartridge | None]:
     questions = select_questions(doc.questions, args.max_questions)
     per_token = kv_bytes_per_token(model)
+    # What the config leaves to the document (cartridge length, conversations), decided as
+    # training decides it, so that the baselines and the caches see the same sizes.
+    config = config.for_corpus(len(Corpus.from_texts(model.tokenizer, [doc.text])))
     init = init_cartridge(model, doc, config)
     cut, cut_tokens = truncated_document(model, doc.text, init.num_tokens)
     conditions = {

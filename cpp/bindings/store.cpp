@@ -177,7 +177,8 @@ void bind_store(py::module_& m) {
       .def("delete_datablock", &Store::delete_datablock, py::arg("owner"), py::arg("datablock_id"),
            py::call_guard<py::gil_scoped_release>())
       .def("start_datablock", &Store::start_datablock, py::arg("owner"), py::arg("datablock_id"),
-           py::arg("fingerprint"), py::call_guard<py::gil_scoped_release>())
+           py::arg("fingerprint"), py::arg("config") = "", py::arg("num_tokens") = 0,
+           py::call_guard<py::gil_scoped_release>())
       .def("update_datablock_progress", &Store::update_datablock_progress, py::arg("owner"), py::arg("datablock_id"),
            py::arg("progress"), py::arg("metrics"), py::call_guard<py::gil_scoped_release>())
       .def("succeed_datablock", &Store::succeed_datablock, py::arg("owner"), py::arg("datablock_id"),

@@ -176,6 +176,28 @@ TEST_F(DatablocksTest, StatusMovesOnlyForward) {
   EXPECT_THROW(store_->start_datablock(alice_, done.run_id, "fp"), ConflictError);
 }
 
+TEST_F(DatablocksTest, StartRecordsWhatTheConfigLeftToTheCorpus) {
+  NewDatablock spec;
+  spec.model = "tiny";
+  spec.training_files = {file_};
+  spec.config = R"({"num_tokens": null})";
+  spec.num_tokens = 0;  // decided by the job once it has read the files
+  DatablockRecord d = store_->create_datablock(alice_, spec);
+  EXPECT_EQ(d.num_tokens, 0);
+  spec.num_tokens = -1;
+  EXPECT_THROW(store_->create_datablock(alice_, spec), std::invalid_argument);
+  EXPECT_THROW(store_->start_datablock(alice_, d.run_id, "fp", "not json", 304), std::invalid_argument);
+  EXPECT_EQ(store_->get_datablock(alice_, d.run_id).status, "queued");  // a refused start changes nothing
+  DatablockRecord started = store_->start_datablock(alice_, d.run_id, "fp", R"({"num_tokens":304})", 304);
+  EXPECT_EQ(started.num_tokens, 304);
+  EXPECT_EQ(started.config, R"({"num_tokens":304})");
+  // A resume that passes neither keeps them.
+  DatablockRecord resumed = store_->start_datablock(alice_, d.run_id, "fp");
+  EXPECT_EQ(resumed.num_tokens, 304);
+  EXPECT_EQ(resumed.config, R"({"num_tokens":304})");
+  EXPECT_EQ(resumed.attempts, 2);
+}
+
 TEST_F(DatablocksTest, TheDatabaseItselfRefusesABackwardStatus) {
   DatablockRecord d = succeed(alice_, create(alice_, file_).run_id, "x");
   store_.reset();

@@ -97,6 +97,19 @@ def _bad(jobs_server: LiveServer, key: str, method: str, path: str, **kwargs) ->
     return response.status_code, error["code"]
 
 
+def test_the_cartridge_length_left_to_the_corpus_is_shown_once_decided(jobs_server: LiveServer, alice) -> None:
+    client, file_id, _ = alice
+    config = {k: v for k, v in TINY_TRAIN_CONFIG.items() if k != "num_tokens"}
+    block = client.datablocks.train([file_id], config=config)
+    assert block["num_tokens"] is None and block["config"]["num_tokens"] is None  # not known while queued
+    done = client.datablocks.wait(block["id"], timeout=120, poll_interval=0.2, progress=False)
+    assert done["status"] == "succeeded", done
+    cartridge = stored_cartridge(jobs_server, block["id"])
+    # The tiny document is short: an eighth of it is under the floor of 64 tokens.
+    assert done["num_tokens"] == cartridge.num_tokens == done["config"]["num_tokens"] == 64
+    assert cartridge.config["num_tokens"] == 64
+
+
 def test_every_bad_input_is_answered(jobs_server: LiveServer) -> None:
     key = jobs_server.add_user()
     other = jobs_server.add_user()

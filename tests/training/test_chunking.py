@@ -9,7 +9,7 @@ import pytest
 
 from cartridges.selfstudy import TrainConfig
 from cartridges.selfstudy.chunking import even_spans, plan_views, random_view
-from cartridges.selfstudy.config import default_num_samples
+from cartridges.selfstudy.config import default_num_samples, default_num_tokens
 from cartridges.selfstudy.prompts import CLOZE_TEMPLATES, RECALL_TEMPLATES, cloze_message, recall_message
 from cartridges.selfstudy.synthesize import loop_start
 
@@ -84,6 +84,24 @@ def test_default_number_of_conversations_scales_with_the_corpus():
     assert TrainConfig(num_samples=64).for_corpus(100_000).num_samples == 64  # a choice is kept
     with pytest.raises(ValueError, match="num_samples"):
         TrainConfig(num_samples=0)
+
+
+def test_default_cartridge_length_is_an_eighth_of_the_corpus():
+    assert default_num_tokens(2_500) == 304  # 8.2x less KV than the document in context
+    assert default_num_tokens(100) == 64  # a paragraph still gets a usable cartridge...
+    assert TrainConfig().for_corpus(40).num_tokens == 40  # ...never longer than itself
+    assert default_num_tokens(100_000) == 2_048  # bounded
+    for n in range(512, 16_384, 37):  # at least 8x less KV wherever the bounds leave room
+        assert n / default_num_tokens(n) >= 8 and default_num_tokens(n) % 16 == 0
+    sizes = [default_num_tokens(n) for n in range(0, 40_000, 997)]
+    assert sizes == sorted(sizes)
+    config = TrainConfig()
+    assert config.num_tokens is None and config.for_corpus(6_000).num_tokens == 736
+    assert TrainConfig(num_tokens=32).for_corpus(100_000).num_tokens == 32  # a choice is kept
+    assert TrainConfig(num_tokens=512).for_corpus(300).num_tokens == 300  # clipped to the corpus...
+    assert TrainConfig(num_tokens=512, init="text").for_corpus(300).num_tokens == 512  # ...when made from it
+    with pytest.raises(ValueError, match="num_tokens"):
+        TrainConfig(num_tokens=0)
 
 
 def test_loop_start_cuts_a_looping_tail_only():

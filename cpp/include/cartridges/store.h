@@ -136,7 +136,7 @@ struct DatablockRecord {
   std::optional<std::string> error_code;     // set when failed
   std::optional<std::string> error_message;
   int64_t attempts = 0;    // times a worker started the job (a resume counts)
-  int64_t num_tokens = 0;  // cartridge length in tokens
+  int64_t num_tokens = 0;  // cartridge length in tokens; 0 until the job decides it from the corpus
   std::optional<int64_t> bytes;  // size of the stored cartridge once succeeded
   int64_t created_at = 0;
   std::optional<int64_t> started_at;
@@ -153,7 +153,7 @@ struct NewDatablock {
   std::string model_path;
   std::vector<std::string> training_files;  // each must be the owner's file (NotFoundError)
   std::string config = "{}";                // JSON object
-  int64_t num_tokens = 0;
+  int64_t num_tokens = 0;                   // 0: the job decides it from the corpus (start_datablock)
 };
 
 struct DatablockQuery {
@@ -258,8 +258,11 @@ class Store {
   // scratch directory), whatever the status: a live job notices on its next write and stops.
   void delete_datablock(const Owner& owner, const std::string& id);
   // queued → running (or running → running when a job resumes); counts an attempt and
-  // records the base-model fingerprint. ConflictError from any other status.
-  DatablockRecord start_datablock(const Owner& owner, const std::string& id, const std::string& fingerprint);
+  // records the base-model fingerprint. ConflictError from any other status. A non-empty
+  // `config` (JSON object) and a positive `num_tokens` replace the record's: the job has
+  // decided what the config left to the corpus.
+  DatablockRecord start_datablock(const Owner& owner, const std::string& id, const std::string& fingerprint,
+                                  const std::string& config = "", int64_t num_tokens = 0);
   // Progress and metrics (JSON objects) of a running job. ConflictError unless running: a
   // job that was cancelled stops when its write is refused.
   void update_datablock_progress(const Owner& owner, const std::string& id, const std::string& progress,

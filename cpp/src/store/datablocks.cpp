@@ -120,7 +120,7 @@ DatablockRecord Store::create_datablock(const Owner& owner, const NewDatablock& 
   store_common::check_name(spec.project, "project name");
   checked_json_object(spec.config, "config");
   if (spec.training_files.empty()) throw std::invalid_argument("a datablock needs at least one training file");
-  if (spec.num_tokens < 1) throw std::invalid_argument("num_tokens must be at least 1");
+  if (spec.num_tokens < 0) throw std::invalid_argument("num_tokens must be non-negative (0: decided by the job)");
   std::lock_guard<std::mutex> lock(mutex_);
   Transaction tx(db());
   for (const auto& file_id : spec.training_files) {
@@ -231,13 +231,26 @@ DatablockRecord Store::transition_locked(const Owner& owner, const std::string& 
   return get_datablock_locked(owner, current.run_id);
 }
 
-DatablockRecord Store::start_datablock(const Owner& owner, const std::string& id, const std::string& fingerprint) {
+DatablockRecord Store::start_datablock(const Owner& owner, const std::string& id, const std::string& fingerprint,
+                                       const std::string& config, int64_t num_tokens) {
+  if (!config.empty()) checked_json_object(config, "config");
+  if (num_tokens < 0) throw std::invalid_argument("num_tokens must be non-negative (0: unchanged)");
   std::lock_guard<std::mutex> lock(mutex_);
   Transaction tx(db());
   DatablockRecord record = transition_locked(owner, id, {"queued", "running"}, "running",
                                              ", attempts = attempts + 1, started_at = COALESCE(started_at, ?3), "
                                              "fingerprint = ?4",
                                              {fingerprint});
+  if (!config.empty() || num_tokens > 0) {
+    // What the config left to the corpus, decided now that the job has read its files.
+    Stmt(db_, "UPDATE datablocks SET config = CASE WHEN ?2 = '' THEN config ELSE ?2 END, "
+              "num_tokens = CASE WHEN ?3 > 0 THEN ?3 ELSE num_tokens END WHERE run_id = ?1")
+        .bind(1, record.run_id)
+        .bind(2, config)
+        .bind(3, num_tokens)
+        .run();
+    record = get_datablock_locked(owner, record.run_id);
+  }
   tx.commit();
   return record;
 }

@@ -36,7 +36,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for f in fields(TrainConfig):
         value = getattr(defaults, f.name)
         flag = "--" + f.name.replace("_", "-")
-        if f.name == "num_samples":  # its default depends on the corpus
+        if f.name == "num_tokens":  # its default depends on the corpus
+            parser.add_argument(flag, type=int, default=None, metavar="N",
+                                help="cartridge length in KV tokens (default: an eighth of the corpus, in "
+                                     "multiples of 16, at least 64 and at most 2048)")
+        elif f.name == "num_samples":  # its default depends on the corpus
             parser.add_argument(flag, type=int, default=None, metavar="N",
                                 help="synthetic conversations (default: one per 10 corpus tokens, in batches "
                                      "of 16, at least 128 and at most 8192)")

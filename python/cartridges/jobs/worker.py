@@ -100,9 +100,10 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> N
     model = _load_model(record.model_path)
     if record.fingerprint and record.fingerprint != model.fingerprint:
         raise JobFailed("interrupted", "the server's base model changed since this job started; it cannot resume")
-    # What the config leaves to the corpus (the number of conversations) is decided here.
+    # What the config leaves to the corpus (the cartridge's length, the number of
+    # conversations) is decided here, and the datablock shows it from now on.
     config = config.for_corpus(len(Corpus.from_texts(model.tokenizer, texts)))
-    store.start_datablock(owner, run_id, model.fingerprint)
+    store.start_datablock(owner, run_id, model.fingerprint, json.dumps(config.to_dict()), config.num_tokens)
     progress.start()
     scratch = Path(store.job_dir(owner, run_id))
     delay = float(os.environ.get("CARTRIDGES_JOB_STEP_DELAY_S") or 0)

@@ -63,7 +63,8 @@ class DatablockObject(BaseModel):
     finished_at: int | None
     progress: Progress
     metrics: Metrics
-    num_tokens: int
+    num_tokens: int | None = Field(description="Cartridge length in tokens; null while queued when the config "
+                                   "leaves it to the corpus (an eighth of it).")
     bytes: int | None = Field(description="Size of the stored cartridge once trained.")
     error: DatablockError | None
 
@@ -86,7 +87,7 @@ class DatablockObject(BaseModel):
             finished_at=record.finished_at,
             progress=Progress(**json.loads(record.progress)),
             metrics=Metrics(**json.loads(record.metrics)),
-            num_tokens=record.num_tokens,
+            num_tokens=record.num_tokens or None,
             bytes=record.bytes,
             error=error,
         )

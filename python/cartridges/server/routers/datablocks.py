@@ -60,7 +60,7 @@ async def train_datablock(
                            code="file_not_processed", param="training_files")
     record = await run_in_threadpool(
         store.create_datablock, user.owner, project=body.name, model=model, model_path=_model_path(settings.model),
-        training_files=file_ids, config=json.dumps(config.to_dict()), num_tokens=config.num_tokens,
+        training_files=file_ids, config=json.dumps(config.to_dict()), num_tokens=config.num_tokens or 0,  # 0: decided by the job from the corpus
     )
     request.app.state.supervisor.wake()
     return DatablockObject.of(record)
