@@ -99,9 +99,12 @@ def test_default_cartridge_length_is_an_eighth_of_the_corpus():
     assert config.num_tokens is None and config.for_corpus(6_000).num_tokens == 736
     assert TrainConfig(num_tokens=32).for_corpus(100_000).num_tokens == 32  # a choice is kept
     assert TrainConfig(num_tokens=512).for_corpus(300).num_tokens == 300  # clipped to the corpus...
+    assert TrainConfig(num_tokens=512, init="spread").for_corpus(300).num_tokens == 300
     assert TrainConfig(num_tokens=512, init="text").for_corpus(300).num_tokens == 512  # ...when made from it
     with pytest.raises(ValueError, match="num_tokens"):
         TrainConfig(num_tokens=0)
+    with pytest.raises(ValueError, match="at least 64"):
+        TrainConfig(num_frozen=64)
 
 
 def test_loop_start_cuts_a_looping_tail_only():

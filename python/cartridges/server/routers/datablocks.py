@@ -58,9 +58,10 @@ async def train_datablock(
         if record.status == "error":
             raise APIError(400, f"File '{file_id}' could not be processed: {record.status_details}",
                            code="file_not_processed", param="training_files")
+    # num_tokens 0: left to the corpus, decided by the job once it has read the files.
     record = await run_in_threadpool(
         store.create_datablock, user.owner, project=body.name, model=model, model_path=_model_path(settings.model),
-        training_files=file_ids, config=json.dumps(config.to_dict()), num_tokens=config.num_tokens or 0,  # 0: decided by the job from the corpus
+        training_files=file_ids, config=json.dumps(config.to_dict()), num_tokens=config.num_tokens or 0,
     )
     request.app.state.supervisor.wake()
     return DatablockObject.of(record)
