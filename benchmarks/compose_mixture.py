@@ -6,9 +6,10 @@ Two documents' cartridges (the suite's, trained with the defaults or taken from
 gain kept:
 - concatenated: both cartridges' KV in front of one sequence (composition="concatenate");
 - uniform mixture: each cartridge on its own sequence, next-token probabilities averaged;
-- Bayesian mixture: the same, each cartridge weighted by the likelihood it gave to everything
-  before the token (chat template, question, answer so far): the engine's composition by
-  mixture, the default.
+- Bayesian mixture over everything (bayes_all): the same, each cartridge weighted by the
+  likelihood it gave to everything before the token (chat template, question, answer so far);
+- Bayesian mixture (bayes): weighted from the question on, past the chat template's opening
+  and its system prompt: the engine's composition by mixture, the default.
 
     python benchmarks/compose_mixture.py --compose narrative,manual --cartridge-dir DIR
 """
@@ -43,7 +44,7 @@ def main() -> int:
     for name in args.compose:
         questions = docs[name].questions
         prompts = chat_prompts(model, questions, None)
-        totals = dict.fromkeys(("none", "single", "concatenated", "uniform", "bayes"), 0.0)
+        totals = dict.fromkeys(("none", "single", "concatenated", "uniform", "bayes_all", "bayes"), 0.0)
         answer_tokens = 0
         for prompt, question in zip(prompts, questions):
             answer = model.tokenizer.encode(question.answer)
@@ -54,11 +55,12 @@ def main() -> int:
             totals["single"] += float(each[args.compose.index(name), at].sum())
             totals["concatenated"] += float(token_logprobs(model, tokens, list(carts.values()))[at].sum())
             totals["uniform"] += float((torch.logsumexp(each, 0) - math.log(len(carts)))[at].sum())
-            totals["bayes"] += float(bayes_mixture(each)[at].sum())
+            totals["bayes_all"] += float(bayes_mixture(each)[at].sum())
+            totals["bayes"] += float(bayes_mixture(each, model.engine.template_opening(prompt))[at].sum())
             answer_tokens += len(answer)
         per_token = {k: v / answer_tokens for k, v in totals.items()}
         gain = per_token["single"] - per_token["none"]
-        kept = {k: (per_token[k] - per_token["none"]) / gain for k in ("concatenated", "uniform", "bayes")}
+        kept = {k: (per_token[k] - per_token["none"]) / gain for k in ("concatenated", "uniform", "bayes_all", "bayes")}
         print(f"{name}: single gain {gain:.3f} nats/token; kept: "
               + ", ".join(f"{k} {v:.2f}" for k, v in kept.items()), flush=True)
     return 0

@@ -56,7 +56,7 @@ from cartridges.jobs.config import field_types
 from cartridges.cartridge import Cartridge
 from cartridges.selfstudy import Corpus, TrainConfig
 from cartridges.selfstudy.prompts import SYSTEM_PROMPT
-from cartridges.selfstudy.synthesize import common_prefix_len
+from cartridges.models.tokenizer import common_prefix_len
 from cartridges.training import init_params
 
 DOCS_DIR = Path(__file__).resolve().parent / "eval_docs"
@@ -216,13 +216,16 @@ def token_logprobs(model, tokens: list[int], prefixes: list[Any]) -> torch.Tenso
     return logp.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
 
 
-def bayes_mixture(per_cartridge: torch.Tensor) -> torch.Tensor:
-    """[C, T] log-probabilities of each token under each cartridge -> [T] under the mixture whose
-    weights are each cartridge's likelihood of the tokens before (uniform prior): what the
-    engine samples from when it composes cartridges by mixture."""
+def bayes_mixture(per_cartridge: torch.Tensor, weigh_from: int = 0) -> torch.Tensor:
+    """[C, T] log-probabilities of each token under each cartridge (row t predicts token t + 1)
+    -> [T] under the mixture whose weights are each cartridge's likelihood of the tokens before,
+    from token `weigh_from` on (uniform prior): what the engine samples from when it composes
+    cartridges by mixture."""
     per_cartridge = per_cartridge.double()
+    counted = per_cartridge.clone()
+    counted[:, :max(weigh_from - 1, 0)] = 0  # rows that predict tokens before weigh_from
     before = torch.cat([torch.zeros(per_cartridge.shape[0], 1, dtype=torch.float64),
-                        per_cartridge.cumsum(1)[:, :-1]], 1)
+                        counted.cumsum(1)[:, :-1]], 1)
     return torch.logsumexp(before + per_cartridge, 0) - torch.logsumexp(before, 0)
 
 
@@ -234,7 +237,8 @@ def answer_logliks(model, prompts: list[list[int]], answers: list[list[int]], pr
     for prompt, answer in zip(prompts, answers):
         tokens, at = prompt + answer, slice(len(prompt) - 1, None)  # the positions that predict the answer
         if composition == "mixture" and len(prefixes) > 1:
-            logp = bayes_mixture(torch.stack([token_logprobs(model, tokens, [p]) for p in prefixes]))
+            logp = bayes_mixture(torch.stack([token_logprobs(model, tokens, [p]) for p in prefixes]),
+                                 model.engine.template_opening(prompt))  # as the engine weighs
         else:
             logp = token_logprobs(model, tokens, prefixes)
         out.append(float(logp[at].sum()))
@@ -303,15 +307,22 @@ def cartridge_key(model, doc: Document, config: TrainConfig) -> str:
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
+def for_document(model, doc: Document, config: TrainConfig) -> TrainConfig:
+    """`config` with what it leaves to the document (cartridge length, conversations) decided as
+    training decides it, so that the baselines and the caches see the same sizes."""
+    return config.for_corpus(len(Corpus.from_texts(model.tokenizer, [doc.text])))
+
+
 def get_cartridge(model, doc: Document, config: TrainConfig, directory: Path) -> tuple[Cartridge, dict]:
     """The trained cartridge of `doc` under `config`, from `directory` when it was trained before."""
+    config = for_document(model, doc, config)
     directory.mkdir(parents=True, exist_ok=True)
     base = directory / f"{doc.name}-{cartridge_key(model, doc, config)}"
     path, stats_path = base.with_suffix(".safetensors"), base.with_suffix(".json")
     if path.exists() and stats_path.exists():
         print(f"[{doc.name}] cartridge from {path}", file=sys.stderr)
         return Cartridge.load(path, model), {**json.loads(stats_path.read_text()), "cached": True}
-    conversations = config.for_corpus(len(Corpus.from_texts(model.tokenizer, [doc.text]))).num_samples
+    conversations = config.num_samples
     checkpoint = base.with_suffix(".ckpt")
     # Synthesized data is kept apart, under a key of what synthesis depends on: settings that
     # change training only (lr, epochs, ...) reuse it.
@@ -367,6 +378,7 @@ def baseline_cached(model, doc: Document, questions: list[Question], config: Tra
 
 
 def init_cartridge(model, doc: Document, config: TrainConfig) -> Cartridge:
+    config = for_document(model, doc, config)
     params = init_params(model, Corpus.from_texts(model.tokenizer, [doc.text]), config)
     return Cartridge.from_params(params, model.fingerprint, config.to_dict())
 
@@ -377,9 +389,7 @@ def evaluate_document(model, doc: Document, config: TrainConfig, args, split: st
                       memo: dict) -> tuple[dict, Cartridge | None]:
     questions = select_questions(doc.questions, args.max_questions)
     per_token = kv_bytes_per_token(model)
-    # What the config leaves to the document (cartridge length, conversations), decided as
-    # training decides it, so that the baselines and the caches see the same sizes.
-    config = config.for_corpus(len(Corpus.from_texts(model.tokenizer, [doc.text])))
+    config = for_document(model, doc, config)
     init = init_cartridge(model, doc, config)
     cut, cut_tokens = truncated_document(model, doc.text, init.num_tokens)
     conditions = {

@@ -103,27 +103,27 @@ void bind_engine(py::module_& m) {
       .def(
           "submit",
           [](Engine& e, std::vector<int64_t> prompt, const PyPrefixList& prefixes, const SamplingParams& params,
-             Priority priority, Composition composition) {
-            Request r{std::move(prompt), to_const(prefixes), params, priority, composition};
+             Priority priority, Composition composition, int64_t weigh_from) {
+            Request r{std::move(prompt), to_const(prefixes), params, priority, composition, weigh_from};
             py::gil_scoped_release release;
             return e.submit(std::move(r));
           },
           py::arg("prompt"), py::arg("prefixes"), py::arg("params"), py::arg("priority") = Priority::kInteractive,
-          py::arg("composition") = Composition::kConcatenate)
+          py::arg("composition") = Composition::kConcatenate, py::arg("weigh_from") = 0)
       .def(
           "submit_all",
-          [](Engine& e, std::vector<std::tuple<std::vector<int64_t>, PyPrefixList, SamplingParams>> requests,
+          [](Engine& e, std::vector<std::tuple<std::vector<int64_t>, PyPrefixList, SamplingParams, int64_t>> requests,
              Priority priority, Composition composition) {
             std::vector<Request> rs;
-            for (auto& [prompt, prefixes, params] : requests) {
-              rs.push_back({prompt, to_const(prefixes), params, priority, composition});
+            for (auto& [prompt, prefixes, params, weigh_from] : requests) {
+              rs.push_back({prompt, to_const(prefixes), params, priority, composition, weigh_from});
             }
             py::gil_scoped_release release;
             return e.submit_all(std::move(rs));
           },
           py::arg("requests"), py::arg("priority") = Priority::kInteractive,
           py::arg("composition") = Composition::kConcatenate,
-          "Queues [(prompt, prefixes, params)] at once (all or none); returns their ids.")
+          "Queues [(prompt, prefixes, params, weigh_from)] at once (all or none); returns their ids.")
       .def("cancel", &Engine::cancel, py::arg("id"), py::call_guard<py::gil_scoped_release>())
       .def("poll", &Engine::poll, py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),
            "Events of finished steps (waits up to timeout for the first).")

@@ -3,6 +3,7 @@
 // seeds, log-probabilities, typed errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <thread>
@@ -253,12 +254,18 @@ TEST_F(EngineTest, MixtureOfOneCartridgeTwiceIsThatCartridge) {
 }
 
 // Each generated token's log-probability is the mixture's: every cartridge's next-token
-// distribution weighted by the likelihood that cartridge gave to the prompt and the output
-// before it, computed here from full forwards with each document in context.
-TEST_F(EngineTest, MixtureWeighsEachCartridgeByTheLikelihoodOfWhatCameBefore) {
+// distribution weighted by the likelihood that cartridge gave to the prompt from weigh_from on
+// and the output before it, computed here from full forwards with each document in context.
+class MixtureTest : public EngineTest {
+ protected:
+  void expect_weighs_from(std::vector<int64_t> prompt, int64_t weigh_from);
+};
+
+void MixtureTest::expect_weighs_from(std::vector<int64_t> prompt, int64_t weigh_from) {
   const std::vector<std::vector<int64_t>> docs = {random_tokens(6), random_tokens(9)};
-  auto r = greedy(random_tokens(12), 8, {prefix(docs[0]), prefix(docs[1])});
+  auto r = greedy(std::move(prompt), 8, {prefix(docs[0]), prefix(docs[1])});
   r.composition = Composition::kMixture;
+  r.weigh_from = weigh_from;
   r.params.logprobs = 3;
   EngineOptions options;
   options.prefill_tokens_per_step = 10;  // the prompt is scored over two steps
@@ -277,12 +284,13 @@ TEST_F(EngineTest, MixtureWeighsEachCartridgeByTheLikelihoodOfWhatCameBefore) {
     rows.push_back(own);  // row j predicts text[j]
     per_token.push_back(own.gather(1, at::tensor(text, at::kLong).view({-1, 1})).squeeze(1));
   }
-  const int64_t prompt = static_cast<int64_t>(r.prompt.size());
+  const int64_t prompt_tokens = static_cast<int64_t>(r.prompt.size());
+  const int64_t from = std::clamp<int64_t>(weigh_from, 1, prompt_tokens);  // the output always counts
   for (int64_t i = 0; i < 8; ++i) {
-    const int64_t at_token = prompt + i;
+    const int64_t at_token = prompt_tokens + i;
     std::vector<at::Tensor> weighted, befores;
     for (size_t c = 0; c < docs.size(); ++c) {
-      befores.push_back(per_token[c].narrow(0, 1, at_token - 1).sum());  // text[1 .. at_token - 1]
+      befores.push_back(per_token[c].narrow(0, from, at_token - from).sum());  // text[from .. at_token - 1]
       weighted.push_back(rows[c][at_token] + befores.back());
     }
     // log sum_c w_c p_c(v), with w_c = exp(before_c) / sum_c' exp(before_c').
@@ -290,6 +298,20 @@ TEST_F(EngineTest, MixtureWeighsEachCartridgeByTheLikelihoodOfWhatCameBefore) {
     EXPECT_NEAR(tokens[i].logprob, mixture[tokens[i].token].item<float>(), 2e-4) << "token " << i;
     EXPECT_EQ(tokens[i].top_ids[0], mixture.argmax().item<int64_t>());  // greedy from the mixture
   }
+}
+
+TEST_F(MixtureTest, WeighsEachCartridgeByTheLikelihoodOfWhatCameBefore) {
+  expect_weighs_from(random_tokens(12), 0);
+}
+
+// Prompt tokens before weigh_from (here past the first prefill step) add nothing to the weights.
+TEST_F(MixtureTest, WeighsFromTheGivenPromptToken) {
+  expect_weighs_from(random_tokens(14), 11);
+  expect_weighs_from(random_tokens(14), 3);
+}
+
+TEST_F(MixtureTest, WeighingFromPastThePromptCountsTheOutputOnly) {
+  expect_weighs_from(random_tokens(5), 40);
 }
 
 // Each cartridge of a mixture has its own sequence: only the longest takes context in front,

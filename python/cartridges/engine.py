@@ -26,6 +26,8 @@ from typing import Any
 
 import cartridges_core as core
 
+from .models.tokenizer import common_prefix_len
+
 ContextLengthError = core.ContextLengthError
 EngineBusyError = core.EngineBusyError
 CacheFullError = core.CacheFullError
@@ -250,6 +252,7 @@ class Engine:
         self.model = model
         self.core = core.Engine(model.core, opts)
         self._streams: dict[int, Stream] = {}
+        self._opening: list[int] | None = None  # see template_opening()
         self._lock = threading.Lock()
         self._dispatcher = threading.Thread(target=self._dispatch, name="cartridges-engine-events", daemon=True)
         self._dispatcher.start()
@@ -267,9 +270,10 @@ class Engine:
         return self.core.stats()
 
     def submit(self, prompt: Sequence[int], *, prefixes: Sequence[Any] = (), seed: int | None = None,
-               **sampling: Any) -> Stream:
+               weigh_from: int | None = None, **sampling: Any) -> Stream:
         """Queues one request and returns its stream; see `submit_many` for the options."""
-        return self.submit_many([prompt], prefixes=[prefixes], seeds=[seed], **sampling)[0]
+        return self.submit_many([prompt], prefixes=[prefixes], seeds=[seed],
+                                weigh_from=None if weigh_from is None else [weigh_from], **sampling)[0]
 
     def submit_many(
         self,
@@ -286,6 +290,7 @@ class Engine:
         logprobs: int = 0,
         priority: str = "interactive",
         composition: str = "mixture",
+        weigh_from: Sequence[int] | None = None,
         condition: threading.Condition | None = None,
     ) -> list[Stream]:
         """Queues requests at once (all or none; they start in the same step when there is
@@ -297,11 +302,14 @@ class Engine:
         `logprobs`: how many top log-probabilities to return per token; `priority`:
         "interactive" or "background". `composition`, for two or more cartridges: "mixture"
         (one sequence per cartridge, the next token drawn from their distributions weighted
-        by how well each explains the conversation so far; each document's questions keep
-        their single-cartridge quality) or "concatenate" (their KV one after another in front
-        of one sequence: cheaper, but trained cartridges pull every question to themselves).
-        Raises ContextLengthError (can never fit the context or
-        the KV pool), EngineBusyError (queue full), ValueError (bad parameters)."""
+        by how well each explains the conversation since `weigh_from`; each document's
+        questions keep their single-cartridge quality) or "concatenate" (their KV one after
+        another in front of one sequence: cheaper, but trained cartridges pull every question
+        to themselves). `weigh_from`: per prompt, the token from which a mixture's weights
+        count the prompt (`ChatTokenizer.conversation_start`); by default, past the chat
+        template's opening where a prompt starts with it (a conversation without a system
+        prompt). Raises ContextLengthError (can never fit the context or the KV pool),
+        EngineBusyError (queue full), ValueError (bad parameters)."""
         if priority not in _PRIORITIES:
             raise ValueError(f"priority must be one of {sorted(_PRIORITIES)}")
         if composition not in COMPOSITIONS:
@@ -309,13 +317,14 @@ class Engine:
         stops = list(stop_token_ids) if stop_token_ids is not None else self._default_stops()
         kv = [[as_prefix(self.model, p) for p in row] for row in (prefixes or [()] * len(prompts))]
         seeds = seeds or [None] * len(prompts)
-        if len(kv) != len(prompts) or len(seeds) != len(prompts):
-            raise ValueError("prefixes and seeds must have one entry per prompt")
+        weigh_from = list(weigh_from) if weigh_from is not None else [self.template_opening(p) for p in prompts]
+        if len(kv) != len(prompts) or len(seeds) != len(prompts) or len(weigh_from) != len(prompts):
+            raise ValueError("prefixes, seeds and weigh_from must have one entry per prompt")
         requests = [
             (list(prompt), row, core.SamplingParams(
                 temperature=temperature, top_p=top_p, top_k=top_k, seed=-1 if seed is None else seed,
-                max_new_tokens=max_new_tokens, stop_token_ids=stops, logprobs=logprobs))
-            for prompt, row, seed in zip(prompts, kv, seeds)
+                max_new_tokens=max_new_tokens, stop_token_ids=stops, logprobs=logprobs), start)
+            for prompt, row, seed, start in zip(prompts, kv, seeds, weigh_from)
         ]
         try:
             loop = asyncio.get_running_loop()
@@ -333,11 +342,23 @@ class Engine:
                 Stream(self, request_id, prompt_tokens=len(prompt), prefix_tokens=sum(p.num_tokens for p in row),
                        decoder=tokenizer.stream_decoder() if hasattr(tokenizer, "stream_decoder") else None,
                        stop_tokens=stops, stop=stop, loop=loop, condition=condition)
-                for request_id, (prompt, row, _) in zip(ids, requests)
+                for request_id, (prompt, row, _, _) in zip(ids, requests)
             ]
             for stream in streams:
                 self._streams[stream.id] = stream
         return streams
+
+    def template_opening(self, prompt: Sequence[int]) -> int:
+        """How many of `prompt`'s first tokens are the chat template's opening for a conversation
+        without a system prompt (up to where the first user message's text begins)."""
+        if self._opening is None:
+            tokenizer = self.model.tokenizer
+            try:
+                question = [{"role": "user", "content": "Why?"}]
+                self._opening = tokenizer.encode_chat(question)[:tokenizer.conversation_start(question)]
+            except Exception:  # no tokenizer or no chat template: nothing to skip
+                self._opening = []
+        return common_prefix_len([prompt, self._opening]) if self._opening else 0
 
     def _default_stops(self) -> list[int]:
         if self.model.tokenizer is not None:

@@ -119,13 +119,14 @@ class Model:
         on_token: Callable[[int, int], bool | None] | None = None,
         priority: str = "interactive",
         composition: str = "mixture",
+        weigh_from: Sequence[int] | None = None,
     ) -> list[Completion]:
         """Generate for all prompts on the engine (they run together with whatever else it serves).
 
         `prefixes`: cartridges (`Cartridge` objects or KV prefixes) in front of every prompt, or
         one list per prompt; `composition` says how two or more of them are composed ("mixture"
-        or "concatenate", see `Engine.submit_many`). `stop`: text stop sequences (the match is
-        not returned).
+        or "concatenate", see `Engine.submit_many`, also for `weigh_from`). `stop`: text stop
+        sequences (the match is not returned).
         `logprobs`: how many top log-probabilities to return per token.
         `on_token(i, token)` is called as each token is produced; returning False cancels
         prompt i. Stops at the tokenizer's end-of-turn ids unless `stop_token_ids` is given.
@@ -137,7 +138,8 @@ class Model:
             streams = self.engine.submit_many(
                 prompts, prefixes=per_prompt, seeds=[seed] * len(prompts), max_new_tokens=max_new_tokens,
                 temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, stop=stop,
-                logprobs=logprobs, priority=priority, composition=composition, condition=condition,
+                logprobs=logprobs, priority=priority, composition=composition, weigh_from=weigh_from,
+                condition=condition,
             )
             _wait_all(streams, condition, on_token)
         finally:
@@ -153,18 +155,25 @@ class Model:
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:
         return self._tokenizer().encode_chat(messages, add_generation_prompt=True)
 
+    def conversation_start(self, messages: Sequence[Message]) -> int:
+        """Where the conversation proper begins in `encode_chat(messages)`, past the template's
+        opening and system prompt: a mixture of cartridges weighs them from there on."""
+        return self._tokenizer().conversation_start(messages, add_generation_prompt=True)
+
     def chat(self, messages: Sequence[Message], *, cartridges: Prefixes = (), max_tokens: int = 256,
              **sampling) -> str:
         """The assistant's reply to `messages`, with cartridges (KV prefixes) as context (several
         are composed by mixture; `composition="concatenate"` puts their KV one after another)."""
-        prompt = self.encode_chat(messages)
-        return self.generate([prompt], prefixes=list(cartridges), max_new_tokens=max_tokens, **sampling)[0].text
+        prompt, start = self.encode_chat(messages), self.conversation_start(messages)
+        return self.generate([prompt], prefixes=list(cartridges), max_new_tokens=max_tokens, weigh_from=[start],
+                             **sampling)[0].text
 
     def stream_chat(self, messages: Sequence[Message], *, cartridges: Prefixes = (), max_tokens: int = 256,
                     **sampling) -> Iterator[str]:
         """Yield the reply's text as it is generated. Closing the iterator stops generation."""
-        prompt = self.encode_chat(messages)
-        with self.engine.submit(prompt, prefixes=list(cartridges), max_new_tokens=max_tokens, **sampling) as stream:
+        prompt, start = self.encode_chat(messages), self.conversation_start(messages)
+        with self.engine.submit(prompt, prefixes=list(cartridges), max_new_tokens=max_tokens, weigh_from=start,
+                                **sampling) as stream:
             for delta in stream:
                 if delta.text:
                     yield delta.text

@@ -122,3 +122,18 @@ def test_chat_answers_and_streams(ours, ours_int8):
         reply = model.chat(CHATS[2], max_tokens=24)
         assert "river" in reply.lower()
         assert "".join(model.stream_chat(CHATS[2], max_tokens=24)) == reply
+
+
+def test_a_mixture_weighs_from_the_question_by_default(ours):
+    """Prompts given as token ids are weighed past the chat template's opening (SmolLM's
+    default system prompt) when they start with it; a prompt with its own system prompt shares
+    only the opening's first tokens, so the chat methods and the server pass where the
+    question begins (conversation_start)."""
+    for chat in CHATS:
+        prompt = ours.encode_chat(chat)
+        opening, start = ours.engine.template_opening(prompt), ours.conversation_start(chat)
+        assert ours.tokenizer.decode(prompt[start:]).startswith(chat[-1]["content"])
+        if chat[0]["role"] == "system":
+            assert 0 < opening < start
+        else:
+            assert opening == start

@@ -119,6 +119,21 @@ def test_cartridge_cache_through_the_engine(model, engine):
     assert stats.entries == 1 and stats.loads == 1 and stats.hits == 1 and stats.bytes == prefix.nbytes
 
 
+def bayesian_mixture(model, docs: list[torch.Tensor], text: list[int], weigh_from: int = 0) -> torch.Tensor:
+    """[T-1]: log p(text[t] | text[<t]) for t >= 1 under the mixture of the documents in context,
+    each weighted by the likelihood it gave to text[weigh_from:t]."""
+    each = []  # [C, T-1]: log p(text[t] | doc c, text[<t]) for t >= 1
+    for doc in docs:
+        with torch.no_grad():
+            logits = model.core.forward(torch.tensor([doc.tolist() + text]))[0, len(doc):-1]
+        each.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(text[1:])[:, None])[:, 0])
+    each = torch.stack(each).double()
+    counted = each.clone()
+    counted[:, :max(weigh_from - 1, 0)] = 0
+    before = torch.cat([torch.zeros(len(docs), 1, dtype=torch.float64), counted.cumsum(1)[:, :-1]], 1)
+    return torch.logsumexp(before + each, 0) - torch.logsumexp(before, 0)
+
+
 def test_several_cartridges_mix_by_default_and_concatenate_on_request(model, engine):
     """A mixture's log-probabilities are the Bayesian mixture of each cartridge's own, computed
     here from full forwards with each document in context; concatenation is one forward with
@@ -129,15 +144,7 @@ def test_several_cartridges_mix_by_default_and_concatenate_on_request(model, eng
     prompt = torch.randint(VOCAB, (40,), generator=g).tolist()  # longer than a prefill step
     kwargs = dict(max_new_tokens=6, stop_token_ids=[], logprobs=1)
     mixed = engine.submit(prompt, prefixes=kv, **kwargs).result()
-    text = prompt + mixed.tokens
-    each = []  # [C, T-1]: log p(text[t] | doc c, text[<t]) for t >= 1
-    for doc in docs:
-        with torch.no_grad():
-            logits = model.core.forward(torch.tensor([doc.tolist() + text]))[0, len(doc):-1]
-        each.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(text[1:])[:, None])[:, 0])
-    each = torch.stack(each).double()
-    before = torch.cat([torch.zeros(2, 1, dtype=torch.float64), each.cumsum(1)[:, :-1]], 1)
-    mixture = torch.logsumexp(before + each, 0) - torch.logsumexp(before, 0)
+    mixture = bayesian_mixture(model, docs, prompt + mixed.tokens)
     assert [t.logprob for t in mixed.logprobs] == pytest.approx(mixture[len(prompt) - 1:].tolist(), abs=1e-4)
 
     concatenated = engine.submit(prompt, prefixes=kv, composition="concatenate", **kwargs).result().tokens
@@ -146,6 +153,24 @@ def test_several_cartridges_mix_by_default_and_concatenate_on_request(model, eng
     assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == concatenated  # greedy, both KV in front
     with pytest.raises(ValueError, match="composition"):
         engine.submit(prompt, prefixes=kv, composition="average", **kwargs)
+
+
+def test_a_mixture_weighs_its_cartridges_from_weigh_from(model, engine):
+    """Prompt tokens before weigh_from (the chat template's opening, a system prompt) add
+    nothing to the weights; the output always does."""
+    g = torch.Generator().manual_seed(6)
+    docs = [torch.randint(VOCAB, (n,), generator=g) for n in (8, 11)]
+    kv = [model.core.prefix_from_tokens(d) for d in docs]
+    prompt = torch.randint(VOCAB, (40,), generator=g).tolist()
+    kwargs = dict(max_new_tokens=6, stop_token_ids=[], logprobs=1)
+    for weigh_from in (25, 40, 100):
+        mixed = engine.submit(prompt, prefixes=kv, weigh_from=weigh_from, **kwargs).result()
+        mixture = bayesian_mixture(model, docs, prompt + mixed.tokens, min(weigh_from, len(prompt)))
+        assert [t.logprob for t in mixed.logprobs] == pytest.approx(mixture[len(prompt) - 1:].tolist(), abs=1e-4)
+    everything = bayesian_mixture(model, docs, prompt + mixed.tokens)
+    assert not torch.allclose(everything[len(prompt) - 1:], mixture[len(prompt) - 1:], atol=1e-3)
+    with pytest.raises(ValueError, match="weigh_from"):
+        engine.submit(prompt, prefixes=kv, weigh_from=-1, **kwargs)
 
 
 def test_typed_errors(model):

@@ -295,6 +295,19 @@ def test_default_gguf_tokenizer_matches_transformers(smollm, smollm_hf_tokenizer
 
 
 @pytest.mark.slow
+def test_conversation_start_is_where_the_first_message_after_the_system_prompt_begins(smollm):
+    tok = smollm.tokenizer
+    multi_turn = [*CHATS[1], {"role": "assistant", "content": "Oui."}, {"role": "user", "content": "Merci."}]
+    for chat in [*CHATS, multi_turn]:
+        ids, start = tok.encode_chat(chat), tok.conversation_start(chat)
+        first = next(m for m in chat if m["role"] != "system")
+        assert tok.decode(ids[start:]).startswith(first["content"]), chat
+        assert tok.decode(ids[:start]).endswith("user\n"), chat  # the template and system prompt only
+    system_only = [{"role": "system", "content": "Be brief."}]
+    assert tok.conversation_start(system_only) == len(tok.encode_chat(system_only))
+
+
+@pytest.mark.slow
 def test_stream_decoder_matches_decode(smollm):
     tok = smollm.tokenizer
     ids = tok.encode("Ünïcödé 日本語 🎉👩‍💻 and plain text.\n") + [2]  # ends with <|im_end|>

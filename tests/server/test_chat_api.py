@@ -215,14 +215,17 @@ def test_concatenated_cartridges_equal_both_texts_in_context(chat_server: LiveSe
 
 def test_composed_cartridges_mix_by_default(chat_server: LiveServer, model: cartridges.Model, owner: dict) -> None:
     """Two cartridges are composed by mixture unless asked otherwise: the reply equals the
-    library's mixture of the two documents' KV, with each one's log-probabilities."""
+    library's mixture of the two documents' KV, weighed from the question on (past the system
+    prompt), with each one's log-probabilities."""
     client = chat_server.openai(owner["key"])
-    reply = greedy(client, "tiny", max_tokens=12, logprobs=True, top_logprobs=2,
+    messages = [{"role": "system", "content": "Answer from the documents."}, *MESSAGES]
+    reply = greedy(client, "tiny", max_tokens=12, logprobs=True, top_logprobs=2, messages=messages,
                    extra_body={"cartridges": [owner["bells"], owner["ferry"]]})
     assert reply.usage.prompt_tokens_details.cached_tokens == 48
     kv = [model.core.prefix_from_tokens(torch.tensor(Corpus.from_texts(model.tokenizer, [text]).tokens[:24]))
           for text in (DOCUMENT, OTHER_DOCUMENT)]
-    expected = model.generate([model.encode_chat(MESSAGES)], prefixes=kv, max_new_tokens=12, logprobs=2)[0]
+    expected = model.generate([model.encode_chat(messages)], prefixes=kv, max_new_tokens=12, logprobs=2,
+                              weigh_from=[model.conversation_start(messages)])[0]
     assert reply.choices[0].message.content == expected.text
     got = [t.logprob for t in reply.choices[0].logprobs.content]
     assert got == pytest.approx([t.logprob for t in expected.logprobs], abs=1e-4)

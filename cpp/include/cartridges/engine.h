@@ -137,9 +137,9 @@ enum class Composition {
   kConcatenate = 0,
   // One sequence per cartridge (same prompt, own KV range); each step samples from the
   // mixture of their next-token distributions, each weighted by the likelihood it gave to
-  // everything before (prompt and output so far; a uniform prior): the cartridge that
-  // explains the conversation best speaks. Costs one sequence per cartridge (a cartridge
-  // given twice, the same object, is composed once).
+  // everything before from `Request::weigh_from` on (prompt and output so far; a uniform
+  // prior): the cartridge that explains the conversation best speaks. Costs one sequence per
+  // cartridge (a cartridge given twice, the same object, is composed once).
   kMixture = 1,
 };
 
@@ -149,6 +149,12 @@ struct Request {
   SamplingParams params;
   Priority priority = Priority::kInteractive;
   Composition composition = Composition::kConcatenate;  // with two or more prefixes
+  // A mixture's weights count the prompt from this token on, and all the output. Text that
+  // every cartridge is shown alike (the chat template's opening, a system prompt) tells no
+  // document from another, yet a strongly trained cartridge explains it better and would
+  // take every question (benchmarks/README.md, "Mixture weights"): callers start at the
+  // conversation's first message after the system prompt.
+  int64_t weigh_from = 0;
 };
 
 struct Event {

@@ -117,6 +117,7 @@ class EngineImpl {
   // Raises for a request that can never run; returns its sampler.
   Sampler check(const Request& request) const {
     TORCH_CHECK(!request.prompt.empty(), "a request needs a non-empty prompt");
+    TORCH_CHECK(request.weigh_from >= 0, "weigh_from must be >= 0, got ", request.weigh_from);
     const auto& c = model_->config();
     for (auto t : request.prompt) TORCH_CHECK(t >= 0 && t < c.vocab_size, "token id ", t, " is outside the vocabulary");
     // A cartridge that does not fit the model must be refused here: inside a step it would
@@ -328,11 +329,14 @@ class EngineImpl {
     if (part.chunk > 0) {
       // Position j predicts prompt token start + j + 1; the prompt's last position predicts output.
       const auto& prompt = live.request.prompt;
-      const int64_t scored = std::min(part.chunk, static_cast<int64_t>(prompt.size()) - part.start - 1);
+      // Tokens before weigh_from add nothing.
+      const int64_t end = std::min(part.chunk, static_cast<int64_t>(prompt.size()) - part.start - 1);
+      const int64_t first = std::clamp<int64_t>(live.request.weigh_from - part.start - 1, 0, std::max<int64_t>(end, 0));
+      const int64_t scored = end - first;
       if (scored > 0) {
-        std::vector<int64_t> next(prompt.begin() + part.start + 1, prompt.begin() + part.start + 1 + scored);
+        std::vector<int64_t> next(prompt.begin() + part.start + 1 + first, prompt.begin() + part.start + 1 + end);
         auto targets = at::tensor(next, at::kLong).view({1, scored, 1}).expand({n, scored, 1});
-        auto gained = logprobs.narrow(1, 0, scored).gather(2, targets).sum({1, 2}).to(at::kDouble);
+        auto gained = logprobs.narrow(1, first, scored).gather(2, targets).sum({1, 2}).to(at::kDouble);
         for (int64_t b = 0; b < n; ++b) live.log_weights[b] += gained[b].item<double>();
       }
     }

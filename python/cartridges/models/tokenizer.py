@@ -108,6 +108,25 @@ class ChatTokenizer:
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)
 
+    def conversation_start(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> int:
+        """Where the conversation proper begins in `encode_chat(messages)`: the first token of the
+        text of the first message that is not a system message (past the template's opening,
+        the system prompt and that message's role header), or the prompt's end when every
+        message is a system message. What comes before is the same whatever is asked: a
+        mixture of cartridges weighs them from here on (`Engine.submit_many`'s `weigh_from`)."""
+        prompt = self.encode_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
+        if first is None:
+            return len(prompt)
+        try:  # the same conversation cut where that message's text begins
+            opening = self.encode_chat([*messages[:first], {**messages[first], "content": ""}],
+                                       add_generation_prompt=False, **kwargs)
+        except Exception:  # a template that refuses an empty message: weigh everything
+            return 0
+        return common_prefix_len([prompt, opening])
+
     def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
 
@@ -140,6 +159,16 @@ class StreamDecoder:
         text = self._tokenizer.decode(self._pending, self._skip_special_tokens) if self._pending else ""
         self._pending.clear()
         return text
+
+
+def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens all of `seqs` share."""
+    first = seqs[0]
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        if any(s[i] != first[i] for s in seqs):
+            return i
+    return n
 
 
 def _compile_template(source: str) -> jinja2.Template:

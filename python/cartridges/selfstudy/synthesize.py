@@ -22,6 +22,7 @@ import torch
 import cartridges_core
 
 from ..cartridge import core_model
+from ..models.tokenizer import common_prefix_len
 from .chunking import BatchView, Corpus, Span, plan_views, random_view
 from .config import TrainConfig
 from .prompts import SEED_PROMPTS, SYSTEM_PROMPT, WRITTEN_HERE, draw_seed_prompts, written_message
@@ -39,15 +40,6 @@ class Conversation:
     topk_ids: torch.Tensor  # [len(answer), K] int64: the teacher's most likely tokens per answer token
     topk_logprobs: torch.Tensor  # [len(answer), K] float32: their log-probabilities
     window: str = ""  # the corpus window B had in context (it holds the chunk)
-
-
-def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
-    first = seqs[0]
-    n = min(len(s) for s in seqs)
-    for i in range(n):
-        if any(s[i] != first[i] for s in seqs):
-            return i
-    return n
 
 
 def slice_prefix(prefix: cartridges_core.KVPrefix, n: int) -> cartridges_core.KVPrefix:

@@ -35,6 +35,7 @@ class Plan:
     prompt: list[int]
     prefixes: list[Any]
     composition: str
+    weigh_from: int  # where a mixture starts weighing its cartridges: the conversation, past the system prompt
     cartridge_tokens: int
     max_new_tokens: int
     stop: list[str]
@@ -62,7 +63,7 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
     messages = [{"role": "system" if m.role == "developer" else m.role,
                  "content": _content(serving, user, m.content, i)} for i, m in enumerate(body.messages)]
     try:
-        prompt = model.encode_chat(messages)
+        prompt, weigh_from = model.encode_chat(messages), model.conversation_start(messages)
     except Exception as error:  # the model's chat template refuses the conversation (e.g. roles out of order)
         raise APIError(400, f"The conversation cannot be rendered with the model's chat template: {error}",
                        code="invalid_value", param="messages") from None
@@ -82,7 +83,8 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
 
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return Plan(
-        prompt=prompt, prefixes=prefixes, composition=body.composition, cartridge_tokens=cartridge_tokens,
+        prompt=prompt, prefixes=prefixes, composition=body.composition, weigh_from=weigh_from,
+        cartridge_tokens=cartridge_tokens,
         max_new_tokens=requested,
         stop=[s for s in stop if s], top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         seeds=choice_seeds(body.seed, body.n),
@@ -124,7 +126,7 @@ def submit(serving: Serving, plan: Plan) -> list[Stream]:
         return engine.submit_many(
             [plan.prompt] * len(plan.seeds), prefixes=[plan.prefixes] * len(plan.seeds), seeds=plan.seeds,
             max_new_tokens=plan.max_new_tokens, stop=plan.stop, composition=plan.composition,
-            logprobs=0 if plan.top_logprobs is None else max(1, plan.top_logprobs), **plan.sampling)
+            weigh_from=[plan.weigh_from] * len(plan.seeds), logprobs=0 if plan.top_logprobs is None else max(1, plan.top_logprobs), **plan.sampling)
     except ContextLengthError as error:
         raise APIError(400, f"The request does not fit: {error}", code="context_length_exceeded",
                        param="max_tokens") from None
