@@ -65,11 +65,12 @@ void bind_training(py::module_& m) {
         "Rows r with r % companion_every == 0 have `companion` in front of the cartridge.");
 
   py::class_<Adam>(m, "Adam")
-      .def(py::init([](std::vector<at::Tensor> params, double lr, double beta1, double beta2, double eps) {
-             return Adam(std::move(params), AdamOptions{lr, beta1, beta2, eps});
+      .def(py::init([](std::vector<at::Tensor> params, double lr, double beta1, double beta2, double eps,
+                       double anchor) {
+             return Adam(std::move(params), AdamOptions{lr, beta1, beta2, eps, anchor});
            }),
            py::arg("params"), py::arg("lr") = 2e-2, py::arg("beta1") = 0.9, py::arg("beta2") = 0.999,
-           py::arg("eps") = 1e-8)
+           py::arg("eps") = 1e-8, py::arg("anchor") = 0.0)
       .def("step", &Adam::step, py::arg("lr"))
       .def("zero_grad", &Adam::zero_grad)
       .def_property_readonly("steps", &Adam::steps);
@@ -78,6 +79,9 @@ void bind_training(py::module_& m) {
       .def(py::init<>())
       .def_property(
           "lr", [](const TrainOptions& o) { return o.adam.lr; }, [](TrainOptions& o, double v) { o.adam.lr = v; })
+      .def_property(
+          "anchor", [](const TrainOptions& o) { return o.adam.anchor; },
+          [](TrainOptions& o, double v) { o.adam.anchor = v; }, "see TrainConfig.anchor")
       .def_readwrite("epochs", &TrainOptions::epochs)
       .def_readwrite("batch_size", &TrainOptions::batch_size)
       .def_readwrite("grad_accum", &TrainOptions::grad_accum)

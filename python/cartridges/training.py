@@ -230,6 +230,7 @@ def train(
 
         options = cartridges_core.TrainOptions()
         options.lr = config.lr
+        options.anchor = config.anchor
         options.epochs = config.epochs
         options.batch_size = config.batch_size
         options.grad_accum = config.grad_accum

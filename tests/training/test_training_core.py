@@ -72,11 +72,14 @@ def test_loss_and_gradient_match_plain_pytorch(model):
     assert all(not f.requires_grad for f in params.frozen_keys)
 
 
-def test_adam_matches_torch_optim():
+@pytest.mark.parametrize("anchor", [0.0, 5.0])
+def test_adam_matches_torch_optim(anchor):
+    """With an anchor, each step then moves every parameter lr * anchor of the way back to its start."""
     g = torch.Generator().manual_seed(1)
     ours = [torch.randn(3, 5, 4, generator=g).requires_grad_(True) for _ in range(2)]
     theirs = [p.detach().clone().requires_grad_(True) for p in ours]
-    adam = cartridges_core.Adam(ours, lr=2e-2)
+    starts = [p.detach().clone() for p in ours]
+    adam = cartridges_core.Adam(ours, lr=2e-2, anchor=anchor)
     torch_adam = torch.optim.Adam(theirs, lr=2e-2)
     for _ in range(5):
         grads = [torch.randn(p.shape, generator=g) for p in ours]
@@ -84,6 +87,9 @@ def test_adam_matches_torch_optim():
             p.grad, q.grad = grad.clone(), grad.clone()
         adam.step(2e-2)
         torch_adam.step()
+        with torch.no_grad():
+            for q, start in zip(theirs, starts):
+                q.lerp_(start, 2e-2 * anchor)
         adam.zero_grad()
     assert adam.steps == 5
     for p, q in zip(ours, theirs):
@@ -112,6 +118,23 @@ def test_loss_decreases_and_frozen_token_stays(model):
     assert all(b < a for a, b in zip(result.losses, result.losses[1:])), result.losses
     assert result.losses[-1] < 0.9 * result.losses[0], result.losses
     assert all(torch.equal(a, b) for a, b in zip(frozen, params.frozen_keys))
+
+
+def test_an_anchor_holds_the_cartridge_near_its_start(model):
+    """TrainOptions.anchor (TrainConfig.anchor) reaches the loop's Adam: with each step pulling
+    98% of the way back, the cartridge ends far closer to its start than without."""
+    data = random_data(model.config.vocab_size, n=6)
+    moved = {}
+    for anchor in (0.0, 49.0):
+        params = prefix_params(model)
+        start = snapshot(params)
+        cartridges_core.train_cartridge(model.core, params, data, options(epochs=6, batch_size=3, anchor=anchor))
+        moved[anchor] = sum((a - b).norm().item() for a, b in zip(snapshot(params), start))
+    assert moved[49.0] < 0.2 * moved[0.0], moved
+    with pytest.raises(ValueError, match="anchor"):
+        TrainConfig(anchor=-1.0)
+    with pytest.raises(ValueError, match="anchor"):
+        TrainConfig(anchor=50.0)  # lr 2e-2: past the whole way back
 
 
 def with_targets(data: cartridges_core.TrainingData, per_row: list[int]) -> cartridges_core.TrainingData:

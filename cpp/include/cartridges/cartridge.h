@@ -68,6 +68,9 @@ struct AdamOptions {
   double beta1 = 0.9;
   double beta2 = 0.999;
   double eps = 1e-8;
+  // After each step, every parameter moves lr * anchor of the way back to its value when the
+  // Adam was made (decoupled, like AdamW's decay but toward the start, not zero); 0: plain Adam.
+  double anchor = 0.0;
 };
 
 // Adam as torch.optim.Adam computes it (no weight decay, no amsgrad), on float32 tensors.
@@ -86,7 +89,7 @@ class Adam {
   void load_state(int64_t steps, const std::vector<at::Tensor>& exp_avg, const std::vector<at::Tensor>& exp_avg_sq);
 
  private:
-  std::vector<at::Tensor> params_, exp_avg_, exp_avg_sq_;
+  std::vector<at::Tensor> params_, exp_avg_, exp_avg_sq_, anchors_;
   AdamOptions options_;
   int64_t step_ = 0;
 };

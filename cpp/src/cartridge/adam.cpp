@@ -13,6 +13,7 @@ Adam::Adam(std::vector<at::Tensor> params, AdamOptions options) : params_(std::m
     TORCH_CHECK(p.scalar_type() == at::kFloat, "Adam: parameters must be float32 master copies");
     exp_avg_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous));
     exp_avg_sq_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous));
+    if (options_.anchor > 0) anchors_.push_back(p.detach().clone());
   }
 }
 
@@ -28,6 +29,7 @@ void Adam::step(double lr) {
     exp_avg_sq_[i].mul_(options_.beta2).addcmul_(grad, grad, 1.0 - options_.beta2);
     auto denom = (exp_avg_sq_[i].sqrt() / std::sqrt(bias2)).add_(options_.eps);
     params_[i].addcdiv_(exp_avg_[i], denom, -lr / bias1);
+    if (options_.anchor > 0) params_[i].lerp_(anchors_[i], lr * options_.anchor);
   }
 }
 

@@ -99,6 +99,12 @@ class TrainConfig:
     """Micro-batches per optimizer step."""
     cosine: bool = True
     """Cosine decay of the learning rate to 0 over the run."""
+    anchor: float = 0.0
+    """Pull toward the initialization: after each optimizer step every trained KV value moves
+    lr × anchor of the way back to where it started (0: none). No gain in the screen of
+    2026-11-23 (benchmarks/README.md, "Anchoring training to the initialization"): it pulls
+    every run toward its initialization, lifting the manual's failing seed above it (anchor 2)
+    but lowering most good runs; held-out mean 0.54 at anchor 1 (as the default), 0.49 at 2."""
     loss_weighting: str = "step"
     """How a step's loss is averaged over its conversations' answer tokens. "step": the step's
     mean per token, so within a step a recall answer (128 tokens) outweighs a cloze answer (a
@@ -144,6 +150,8 @@ class TrainConfig:
             raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}")
         if self.lr <= 0:
             raise ValueError("lr must be positive")
+        if not 0 <= self.anchor * self.lr < 1:
+            raise ValueError("anchor must be >= 0, and anchor * lr < 1 (the share of the way back per step)")
         if self.quality_samples is None and self.num_samples is not None:
             self.quality_samples = default_quality_samples(self.num_samples)
         # With num_samples left to the corpus, quality_samples is decided with it (for_corpus).
