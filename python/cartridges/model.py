@@ -155,23 +155,26 @@ class Model:
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:
         return self._tokenizer().encode_chat(messages, add_generation_prompt=True)
 
-    def conversation_start(self, messages: Sequence[Message]) -> int:
-        """Where the conversation proper begins in `encode_chat(messages)`, past the template's
-        opening and system prompt: a mixture of cartridges weighs them from there on."""
-        return self._tokenizer().conversation_start(messages, add_generation_prompt=True)
+    def conversation_start(self, messages: Sequence[Message], prompt: Sequence[int] | None = None) -> int:
+        """Where the conversation proper begins in `encode_chat(messages)` (or `prompt`, when the
+        caller has encoded it already), past the template's opening and system prompt: a
+        mixture of cartridges weighs them from there on."""
+        return self._tokenizer().conversation_start(messages, add_generation_prompt=True, prompt=prompt)
 
     def chat(self, messages: Sequence[Message], *, cartridges: Prefixes = (), max_tokens: int = 256,
              **sampling) -> str:
         """The assistant's reply to `messages`, with cartridges (KV prefixes) as context (several
         are composed by mixture; `composition="concatenate"` puts their KV one after another)."""
-        prompt, start = self.encode_chat(messages), self.conversation_start(messages)
+        prompt = self.encode_chat(messages)
+        start = self.conversation_start(messages, prompt)
         return self.generate([prompt], prefixes=list(cartridges), max_new_tokens=max_tokens, weigh_from=[start],
                              **sampling)[0].text
 
     def stream_chat(self, messages: Sequence[Message], *, cartridges: Prefixes = (), max_tokens: int = 256,
                     **sampling) -> Iterator[str]:
         """Yield the reply's text as it is generated. Closing the iterator stops generation."""
-        prompt, start = self.encode_chat(messages), self.conversation_start(messages)
+        prompt = self.encode_chat(messages)
+        start = self.conversation_start(messages, prompt)
         with self.engine.submit(prompt, prefixes=list(cartridges), max_new_tokens=max_tokens, weigh_from=start,
                                 **sampling) as stream:
             for delta in stream:

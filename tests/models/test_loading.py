@@ -300,6 +300,7 @@ def test_conversation_start_is_where_the_first_message_after_the_system_prompt_b
     multi_turn = [*CHATS[1], {"role": "assistant", "content": "Oui."}, {"role": "user", "content": "Merci."}]
     for chat in [*CHATS, multi_turn]:
         ids, start = tok.encode_chat(chat), tok.conversation_start(chat)
+        assert tok.conversation_start(chat, prompt=ids) == start  # the caller's encoding, not redone
         first = next(m for m in chat if m["role"] != "system")
         assert tok.decode(ids[start:]).startswith(first["content"]), chat
         assert tok.decode(ids[:start]).endswith("user\n"), chat  # the template and system prompt only

@@ -152,8 +152,8 @@ struct Request {
   // A mixture's weights count the prompt from this token on, and all the output. Text that
   // every cartridge is shown alike (the chat template's opening, a system prompt) tells no
   // document from another, yet a strongly trained cartridge explains it better and would
-  // take every question (benchmarks/README.md, "Mixture weights"): callers start at the
-  // conversation's first message after the system prompt.
+  // take every question (benchmarks/README.md, "Mixture weights from the question on"):
+  // callers start at the conversation's first message after the system prompt.
   int64_t weigh_from = 0;
 };
 

@@ -109,14 +109,17 @@ class ChatTokenizer:
         return self.encode(text, add_special_tokens=False)
 
     def conversation_start(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: Sequence[Message], add_generation_prompt: bool = True, *,
+        prompt: Sequence[int] | None = None, **kwargs: Any
     ) -> int:
         """Where the conversation proper begins in `encode_chat(messages)`: the first token of the
         text of the first message that is not a system message (past the template's opening,
         the system prompt and that message's role header), or the prompt's end when every
         message is a system message. What comes before is the same whatever is asked: a
-        mixture of cartridges weighs them from here on (`Engine.submit_many`'s `weigh_from`)."""
-        prompt = self.encode_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        mixture of cartridges weighs them from here on (`Engine.submit_many`'s `weigh_from`).
+        `prompt`: `encode_chat(messages, ...)` when the caller has it already (not encoded again)."""
+        if prompt is None:
+            prompt = self.encode_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
         if first is None:
             return len(prompt)

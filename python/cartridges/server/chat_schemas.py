@@ -62,8 +62,9 @@ class ChatCompletionRequest(BaseModel):
         default="mixture", description="Extension: how two or more cartridges are composed. `mixture`: each "
         "cartridge reads the conversation on its own, and each token is drawn from their predictions weighted by "
         "how well each explains the conversation so far, from the first message after the system prompt (each "
-        "document's questions keep their single-cartridge quality; costs one sequence per cartridge). `concatenate`: their KV one after another in front of one "
-        "sequence, in order (cheaper, but trained cartridges pull every question to themselves).")
+        "document's questions keep their single-cartridge quality; costs one sequence per cartridge). "
+        "`concatenate`: their KV one after another in front of one sequence, in order (cheaper, but trained "
+        "cartridges pull every question to themselves).")
     max_tokens: int | None = Field(default=None, ge=1, description="Deprecated alias of max_completion_tokens.")
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)

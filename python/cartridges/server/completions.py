@@ -63,7 +63,8 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
     messages = [{"role": "system" if m.role == "developer" else m.role,
                  "content": _content(serving, user, m.content, i)} for i, m in enumerate(body.messages)]
     try:
-        prompt, weigh_from = model.encode_chat(messages), model.conversation_start(messages)
+        prompt = model.encode_chat(messages)
+        weigh_from = model.conversation_start(messages, prompt)
     except Exception as error:  # the model's chat template refuses the conversation (e.g. roles out of order)
         raise APIError(400, f"The conversation cannot be rendered with the model's chat template: {error}",
                        code="invalid_value", param="messages") from None
@@ -126,7 +127,8 @@ def submit(serving: Serving, plan: Plan) -> list[Stream]:
         return engine.submit_many(
             [plan.prompt] * len(plan.seeds), prefixes=[plan.prefixes] * len(plan.seeds), seeds=plan.seeds,
             max_new_tokens=plan.max_new_tokens, stop=plan.stop, composition=plan.composition,
-            weigh_from=[plan.weigh_from] * len(plan.seeds), logprobs=0 if plan.top_logprobs is None else max(1, plan.top_logprobs), **plan.sampling)
+            weigh_from=[plan.weigh_from] * len(plan.seeds),
+            logprobs=0 if plan.top_logprobs is None else max(1, plan.top_logprobs), **plan.sampling)
     except ContextLengthError as error:
         raise APIError(400, f"The request does not fit: {error}", code="context_length_exceeded",
                        param="max_tokens") from None
