@@ -66,11 +66,11 @@ void bind_training(py::module_& m) {
 
   py::class_<Adam>(m, "Adam")
       .def(py::init([](std::vector<at::Tensor> params, double lr, double beta1, double beta2, double eps,
-                       double anchor) {
-             return Adam(std::move(params), AdamOptions{lr, beta1, beta2, eps, anchor});
+                       double anchor, std::vector<double> lr_scales) {
+             return Adam(std::move(params), AdamOptions{lr, beta1, beta2, eps, anchor}, std::move(lr_scales));
            }),
            py::arg("params"), py::arg("lr") = 2e-2, py::arg("beta1") = 0.9, py::arg("beta2") = 0.999,
-           py::arg("eps") = 1e-8, py::arg("anchor") = 0.0)
+           py::arg("eps") = 1e-8, py::arg("anchor") = 0.0, py::arg("lr_scales") = std::vector<double>{})
       .def("step", &Adam::step, py::arg("lr"))
       .def("zero_grad", &Adam::zero_grad)
       .def_property_readonly("steps", &Adam::steps);
@@ -86,6 +86,7 @@ void bind_training(py::module_& m) {
       .def_readwrite("batch_size", &TrainOptions::batch_size)
       .def_readwrite("grad_accum", &TrainOptions::grad_accum)
       .def_readwrite("cosine", &TrainOptions::cosine)
+      .def_readwrite("layer_scaled_lr", &TrainOptions::layer_scaled_lr, "see TrainConfig.layer_scaled_lr")
       .def_readwrite("seed", &TrainOptions::seed)
       .def_property(
           "weighting", [](const TrainOptions& o) { return std::string(loss_weighting_name(o.weighting)); },
@@ -135,6 +136,9 @@ void bind_training(py::module_& m) {
       py::arg("model"), py::arg("params"), py::arg("data"), py::arg("options"), py::arg("on_progress") = py::none(),
       py::arg("cancel") = nullptr,
       "Trains params in place with the GIL released. on_progress(TrainProgress) returning False cancels.");
+
+  m.def("layer_lr_scales", &layer_lr_scales, py::arg("params"),
+        "Per parameter of params.parameters(): its layer's RMS over the RMS of all keys (or values).");
 
   m.def("training_order", &training_order, py::arg("n"), py::arg("seed"), py::arg("epoch"),
         "The order in which epoch `epoch` of a run with `seed` takes n conversations.");

@@ -74,6 +74,32 @@ TEST_F(CartridgeTest, AdamFirstStepMovesEachWeightByLr) {
   EXPECT_FALSE(p.grad().defined());
 }
 
+TEST_F(CartridgeTest, AdamLrScalesScaleEachParametersFirstStep) {
+  auto a = at::randn({3, 4}).set_requires_grad(true), b = at::randn({2, 5}).set_requires_grad(true);
+  auto a0 = a.detach().clone(), b0 = b.detach().clone();
+  Adam adam({a, b}, AdamOptions{}, {0.25, 2.0});
+  (a * at::randn({3, 4})).sum().backward();
+  (b * at::randn({2, 5})).sum().backward();
+  adam.step(0.1);
+  EXPECT_TRUE(at::allclose(a0 - a.detach(), 0.025 * a.grad().sign(), 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(b0 - b.detach(), 0.2 * b.grad().sign(), 1e-5, 1e-6));
+  EXPECT_THROW(Adam({a, b}, AdamOptions{}, {1.0}), c10::Error);
+}
+
+TEST_F(CartridgeTest, LayerLrScalesAreOneForLayersOfEqualScale) {
+  auto params = CartridgeParams::from_prefix(prefix, 1);
+  auto scales = layer_lr_scales(params);
+  ASSERT_EQ(scales.size(), static_cast<size_t>(2 * config.num_layers));
+  // Every layer's keys scaled to the same RMS: all scales 1.
+  for (auto& k : params.trainable_keys) k.detach().fill_(3.0);
+  for (auto& v : params.trainable_values) v.detach().fill_(-0.5);
+  for (double s : layer_lr_scales(params)) EXPECT_NEAR(s, 1.0, 1e-12);
+  // Layer 0's values at twice the others': its scale over the others' is 2.
+  params.trainable_values[0].detach().fill_(-1.0);
+  auto uneven = layer_lr_scales(params);
+  EXPECT_NEAR(uneven[config.num_layers] / uneven[config.num_layers + 1], 2.0, 1e-12);
+}
+
 TEST_F(CartridgeTest, ResumeEqualsUninterruptedRun) {
   TrainOptions options;
   options.epochs = 2;

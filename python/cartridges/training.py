@@ -58,6 +58,21 @@ def companion_fits(core: Any, config: TrainConfig, params: cartridges_core.Cartr
     return bool(config.companion_every) and 4 * params.num_tokens <= core.config.max_position_embeddings
 
 
+def train_options(config: TrainConfig) -> cartridges_core.TrainOptions:
+    """The C++ loop's options from the config's training fields (companion and checkpoint apart)."""
+    options = cartridges_core.TrainOptions()
+    options.lr = config.lr
+    options.anchor = config.anchor
+    options.epochs = config.epochs
+    options.batch_size = config.batch_size
+    options.grad_accum = config.grad_accum
+    options.cosine = config.cosine
+    options.layer_scaled_lr = config.layer_scaled_lr
+    options.weighting = config.loss_weighting
+    options.seed = config.seed
+    return options
+
+
 class TrainingCancelled(Exception):
     """train() was cancelled during synthesis, before any training: there is no cartridge."""
 
@@ -228,15 +243,7 @@ def train(
                 synthesis_path.unlink(missing_ok=True)  # the data supersedes it
         t1 = time.perf_counter()
 
-        options = cartridges_core.TrainOptions()
-        options.lr = config.lr
-        options.anchor = config.anchor
-        options.epochs = config.epochs
-        options.batch_size = config.batch_size
-        options.grad_accum = config.grad_accum
-        options.cosine = config.cosine
-        options.weighting = config.loss_weighting
-        options.seed = config.seed
+        options = train_options(config)
         if companion_fits(core, config, params):
             # The stand-in for another cartridge in front: KV of unrelated text, as long as this one.
             companion = unrelated_tokens(model, params.num_tokens)

@@ -11,7 +11,7 @@ import torch
 
 import cartridges_core
 from cartridges.selfstudy import TrainConfig, Corpus
-from cartridges.training import init_params
+from cartridges.training import init_params, train_options
 
 from . import reference
 from .tiny import tiny_model
@@ -72,15 +72,17 @@ def test_loss_and_gradient_match_plain_pytorch(model):
     assert all(not f.requires_grad for f in params.frozen_keys)
 
 
-@pytest.mark.parametrize("anchor", [0.0, 5.0])
-def test_adam_matches_torch_optim(anchor):
-    """With an anchor, each step then moves every parameter lr * anchor of the way back to its start."""
+@pytest.mark.parametrize("anchor, lr_scales", [(0.0, []), (5.0, []), (0.0, [0.1, 3.0]), (5.0, [0.1, 3.0])])
+def test_adam_matches_torch_optim(anchor, lr_scales):
+    """With an anchor, each step then moves every parameter lr * anchor of the way back to its
+    start; with lr_scales, parameter i steps at lr * lr_scales[i] (a parameter group of its own)."""
     g = torch.Generator().manual_seed(1)
     ours = [torch.randn(3, 5, 4, generator=g).requires_grad_(True) for _ in range(2)]
     theirs = [p.detach().clone().requires_grad_(True) for p in ours]
     starts = [p.detach().clone() for p in ours]
-    adam = cartridges_core.Adam(ours, lr=2e-2, anchor=anchor)
-    torch_adam = torch.optim.Adam(theirs, lr=2e-2)
+    scales = lr_scales or [1.0, 1.0]
+    adam = cartridges_core.Adam(ours, lr=2e-2, anchor=anchor, lr_scales=lr_scales)
+    torch_adam = torch.optim.Adam([{"params": [q], "lr": 2e-2 * s} for q, s in zip(theirs, scales)])
     for _ in range(5):
         grads = [torch.randn(p.shape, generator=g) for p in ours]
         for p, q, grad in zip(ours, theirs, grads):
@@ -88,13 +90,45 @@ def test_adam_matches_torch_optim(anchor):
         adam.step(2e-2)
         torch_adam.step()
         with torch.no_grad():
-            for q, start in zip(theirs, starts):
-                q.lerp_(start, 2e-2 * anchor)
+            for q, start, scale in zip(theirs, starts, scales):
+                q.lerp_(start, 2e-2 * scale * anchor)
         adam.zero_grad()
     assert adam.steps == 5
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-7)
         assert p.grad is None
+
+
+def test_train_options_carry_the_config():
+    config = TrainConfig(lr=0.03, anchor=2.0, epochs=3, batch_size=5, grad_accum=2, cosine=False,
+                         layer_scaled_lr=True, loss_weighting="row", seed=7)
+    o = train_options(config)
+    got = (o.lr, o.anchor, o.epochs, o.batch_size, o.grad_accum, o.cosine, o.layer_scaled_lr, o.weighting, o.seed)
+    assert got == (0.03, 2.0, 3, 5, 2, False, True, "row", 7)
+    defaults = train_options(TrainConfig())
+    assert (defaults.cosine, defaults.layer_scaled_lr, defaults.weighting) == (True, False, "step")
+
+
+def test_adam_refuses_bad_lr_scales():
+    params = [torch.zeros(2, requires_grad=True) for _ in range(2)]
+    with pytest.raises(Exception, match="2 parameters"):
+        cartridges_core.Adam(params, lr_scales=[1.0])
+    with pytest.raises(Exception, match="finite"):
+        cartridges_core.Adam(params, lr_scales=[1.0, float("nan")])
+
+
+def test_layer_lr_scales_are_rms_ratios(model):
+    """Each layer's keys (values) over the RMS of all trainable keys (values), frozen token excluded."""
+    params = prefix_params(model, n=7, frozen=2)
+    scales = cartridges_core.layer_lr_scales(params)
+    L = model.config.num_layers
+    assert len(scales) == 2 * L
+    for group, got in ((params.trainable_keys, scales[:L]), (params.trainable_values, scales[L:])):
+        group = [t.detach().double() for t in group]
+        group_rms = torch.cat([t.flatten() for t in group]).square().mean().sqrt()
+        want = [float(t.square().mean().sqrt() / group_rms) for t in group]
+        assert got == pytest.approx(want, rel=1e-9)
+        assert len(set(round(x, 6) for x in got)) > 1  # the tiny model's layers differ in scale
 
 
 def options(**kw) -> cartridges_core.TrainOptions:
@@ -150,21 +184,29 @@ def with_targets(data: cartridges_core.TrainingData, per_row: list[int]) -> cart
                                         data.topk_logprobs[keep].contiguous())
 
 
-@pytest.mark.parametrize("weighting", ["step", "token", "row"])
-def test_training_loop_matches_plain_pytorch(model, weighting):
+@pytest.mark.parametrize("weighting, layer_scaled", [("step", False), ("token", False), ("row", False),
+                                                     ("step", True)])
+def test_training_loop_matches_plain_pytorch(model, weighting, layer_scaled):
     """The loop against torch.optim.Adam on the reference loss, with steps of very different
     target counts. A step's summed loss is divided by its own targets ("step") or by the run's
-    mean targets per step ("token"); "row" averages each row's mean loss over the step's rows."""
+    mean targets per step ("token"); "row" averages each row's mean loss over the step's rows.
+    layer_scaled: each tensor's lr is scaled by its initial RMS over its group's (keys, values)."""
     data = with_targets(random_data(model.config.vocab_size, n=6), [9, 1, 8, 2, 1, 9])
-    kw = dict(epochs=2, batch_size=2, seed=3, weighting=weighting)
+    kw = dict(epochs=2, batch_size=2, seed=3, weighting=weighting, layer_scaled_lr=layer_scaled)
     params = prefix_params(model)
     ref_trainable, _, _ = reference_prefix(model, params)
+    L = model.config.num_layers
+    scales = [1.0] * (2 * L)
+    if layer_scaled:
+        keys_rms = torch.cat([t.detach().flatten() for t in ref_trainable[:L]]).square().mean().sqrt()
+        values_rms = torch.cat([t.detach().flatten() for t in ref_trainable[L:]]).square().mean().sqrt()
+        scales = [float(t.detach().square().mean().sqrt() / (keys_rms if i < L else values_rms))
+                  for i, t in enumerate(ref_trainable)]
     cartridges_core.train_cartridge(model.core, params, data, options(**kw))
 
     counts = data.target_mask.sum(1)
     mean_step_targets = float(counts.sum()) * 2 / 6
-    L = model.config.num_layers
-    adam = torch.optim.Adam(ref_trainable, lr=options().lr)
+    adam = torch.optim.Adam([{"params": [t], "lr": options().lr * s} for t, s in zip(ref_trainable, scales)])
     for epoch in range(2):
         order = cartridges_core.training_order(6, 3, epoch)
         for j in range(3):
@@ -204,9 +246,11 @@ def test_unknown_loss_weighting_is_refused():
         TrainConfig(loss_weighting="tokens")
 
 
-def test_resume_equals_uninterrupted_run(model, tmp_path):
+@pytest.mark.parametrize("layer_scaled", [False, True])
+def test_resume_equals_uninterrupted_run(model, tmp_path, layer_scaled):
+    """With layer_scaled_lr, the scales come from the initialization, not from the checkpoint."""
     data = random_data(model.config.vocab_size, n=7)
-    kw = dict(epochs=3, batch_size=2, grad_accum=2, cosine=True, seed=5)
+    kw = dict(epochs=3, batch_size=2, grad_accum=2, cosine=True, seed=5, layer_scaled_lr=layer_scaled)
     full = prefix_params(model)
     cartridges_core.train_cartridge(model.core, full, data, options(**kw))
 

@@ -76,9 +76,10 @@ struct AdamOptions {
 // Adam as torch.optim.Adam computes it (no weight decay, no amsgrad), on float32 tensors.
 class Adam {
  public:
-  Adam(std::vector<at::Tensor> params, AdamOptions options);
-  // One update from the params' .grad() at learning rate `lr`; params without a gradient
-  // are skipped. Gradients are left in place (call zero_grad()).
+  // lr_scales: one factor per parameter on the step's learning rate (empty: all 1).
+  Adam(std::vector<at::Tensor> params, AdamOptions options, std::vector<double> lr_scales = {});
+  // One update from the params' .grad() at learning rate `lr` (times the parameter's scale);
+  // params without a gradient are skipped. Gradients are left in place (call zero_grad()).
   void step(double lr);
   void zero_grad();
   int64_t steps() const { return step_; }
@@ -91,6 +92,7 @@ class Adam {
  private:
   std::vector<at::Tensor> params_, exp_avg_, exp_avg_sq_, anchors_;
   AdamOptions options_;
+  std::vector<double> lr_scales_;
   int64_t step_ = 0;
 };
 
@@ -112,6 +114,9 @@ struct TrainOptions {
   // weighs the same wherever it falls. kRow: each row's mean over its own targets, averaged over
   // the step's rows, so every conversation weighs the same, a short answer as much as a long one.
   LossWeighting weighting = LossWeighting::kStep;
+  // Each layer's keys (values) step at lr x their initial RMS / the RMS of all the cartridge's
+  // keys (values): every layer moves by the same share of its size (layer_lr_scales).
+  bool layer_scaled_lr = false;
   std::string checkpoint_path;  // empty: no checkpoints
   int64_t checkpoint_every = 0; // steps between checkpoints (and one at the end); 0: never
   bool resume = false;          // start from checkpoint_path when it exists
@@ -123,6 +128,12 @@ struct TrainOptions {
   // Optimizer steps of the whole run for `n` conversations.
   int64_t total_steps(int64_t n) const;
 };
+
+// Per parameter of params.parameters() (keys of every layer, then values): the layer's RMS over
+// its trainable tokens divided by the RMS of all trainable keys (for a key) or values (for a
+// value). The KV's scale differs ~40x across layers (SmolLM2's layer-0 values have RMS 0.05,
+// its last layers' 1.4), so one absolute Adam step moves some layers far more than others.
+std::vector<double> layer_lr_scales(const CartridgeParams& params);
 
 // The order in which epoch `epoch` takes N conversations: a permutation drawn from (seed,
 // epoch) alone, so a resumed run sees the batches of an uninterrupted one.

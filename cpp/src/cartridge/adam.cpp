@@ -8,7 +8,12 @@
 
 namespace cartridges {
 
-Adam::Adam(std::vector<at::Tensor> params, AdamOptions options) : params_(std::move(params)), options_(options) {
+Adam::Adam(std::vector<at::Tensor> params, AdamOptions options, std::vector<double> lr_scales)
+    : params_(std::move(params)), options_(options), lr_scales_(std::move(lr_scales)) {
+  if (lr_scales_.empty()) lr_scales_.assign(params_.size(), 1.0);
+  TORCH_CHECK(lr_scales_.size() == params_.size(), "Adam: ", lr_scales_.size(), " lr scales for ", params_.size(),
+              " parameters");
+  for (double s : lr_scales_) TORCH_CHECK(std::isfinite(s) && s >= 0, "Adam: lr scales must be finite and >= 0");
   for (const auto& p : params_) {
     TORCH_CHECK(p.scalar_type() == at::kFloat, "Adam: parameters must be float32 master copies");
     exp_avg_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous));
@@ -28,8 +33,9 @@ void Adam::step(double lr) {
     exp_avg_[i].lerp_(grad, 1.0 - options_.beta1);
     exp_avg_sq_[i].mul_(options_.beta2).addcmul_(grad, grad, 1.0 - options_.beta2);
     auto denom = (exp_avg_sq_[i].sqrt() / std::sqrt(bias2)).add_(options_.eps);
-    params_[i].addcdiv_(exp_avg_[i], denom, -lr / bias1);
-    if (options_.anchor > 0) params_[i].lerp_(anchors_[i], lr * options_.anchor);
+    const double lr_i = lr * lr_scales_[i];
+    params_[i].addcdiv_(exp_avg_[i], denom, -lr_i / bias1);
+    if (options_.anchor > 0) params_[i].lerp_(anchors_[i], lr_i * options_.anchor);
   }
 }
 

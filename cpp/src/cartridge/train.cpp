@@ -144,6 +144,26 @@ bool load_checkpoint(const std::string& path, CartridgeParams& params, Adam& ada
   return true;
 }
 
+std::vector<double> layer_lr_scales(const CartridgeParams& params) {
+  at::NoGradGuard no_grad;
+  std::vector<double> scales;
+  for (const auto* group : {&params.trainable_keys, &params.trainable_values}) {
+    std::vector<double> sum_sq;
+    double total_sq = 0.0, total_n = 0.0;
+    for (const auto& t : *group) {
+      sum_sq.push_back(t.to(at::kDouble).square().sum().item<double>());
+      total_sq += sum_sq.back();
+      total_n += static_cast<double>(t.numel());
+    }
+    const double group_rms = std::sqrt(total_sq / std::max(total_n, 1.0));
+    TORCH_CHECK(group_rms > 0, "layer_lr_scales: the cartridge's keys or values are all zero");
+    for (size_t l = 0; l < group->size(); ++l) {
+      scales.push_back(std::sqrt(sum_sq[l] / std::max<double>((*group)[l].numel(), 1.0)) / group_rms);
+    }
+  }
+  return scales;
+}
+
 TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, const TrainingData& data,
                             const TrainOptions& options, const ProgressCallback& on_progress,
                             const std::atomic<bool>* cancel) {
@@ -151,7 +171,9 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
   TORCH_CHECK(options.batch_size > 0 && options.grad_accum > 0 && options.epochs > 0,
               "train_cartridge: batch_size, grad_accum and epochs must be positive");
   TORCH_CHECK(!options.resume || !options.checkpoint_path.empty(), "train_cartridge: resume needs a checkpoint_path");
-  Adam adam(params.parameters(), options.adam);
+  // Scales from the initialization (before a resume loads the trained tensors), as the anchor.
+  Adam adam(params.parameters(), options.adam,
+            options.layer_scaled_lr ? layer_lr_scales(params) : std::vector<double>{});
   if (options.resume) load_checkpoint(options.checkpoint_path, params, adam);
 
   const int64_t n = data.size();
