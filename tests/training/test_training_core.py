@@ -101,12 +101,12 @@ def test_adam_matches_torch_optim(anchor, lr_scales):
 
 def test_train_options_carry_the_config():
     config = TrainConfig(lr=0.03, anchor=2.0, epochs=3, batch_size=5, grad_accum=2, cosine=False,
-                         layer_scaled_lr=True, loss_weighting="row", seed=7)
+                         layer_scaled_lr=False, loss_weighting="row", seed=7)
     o = train_options(config)
     got = (o.lr, o.anchor, o.epochs, o.batch_size, o.grad_accum, o.cosine, o.layer_scaled_lr, o.weighting, o.seed)
-    assert got == (0.03, 2.0, 3, 5, 2, False, True, "row", 7)
+    assert got == (0.03, 2.0, 3, 5, 2, False, False, "row", 7)
     defaults = train_options(TrainConfig())
-    assert (defaults.cosine, defaults.layer_scaled_lr, defaults.weighting) == (True, False, "step")
+    assert (defaults.cosine, defaults.layer_scaled_lr, defaults.weighting) == (True, True, "step")
 
 
 def test_adam_refuses_bad_lr_scales():
