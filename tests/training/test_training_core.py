@@ -117,6 +117,13 @@ def test_adam_refuses_bad_lr_scales():
         cartridges_core.Adam(params, lr_scales=[1.0, float("nan")])
 
 
+def rms_ratios(group: list[torch.Tensor]) -> list[float]:
+    """Each tensor's RMS over the RMS of all of them (the reference for layer_lr_scales)."""
+    group = [t.detach() for t in group]
+    group_rms = torch.cat([t.flatten() for t in group]).square().mean().sqrt()
+    return [float(t.square().mean().sqrt() / group_rms) for t in group]
+
+
 def test_layer_lr_scales_are_rms_ratios(model):
     """Each layer's keys (values) over the RMS of all trainable keys (values), frozen token excluded."""
     params = prefix_params(model, n=7, frozen=2)
@@ -124,9 +131,7 @@ def test_layer_lr_scales_are_rms_ratios(model):
     L = model.config.num_layers
     assert len(scales) == 2 * L
     for group, got in ((params.trainable_keys, scales[:L]), (params.trainable_values, scales[L:])):
-        group = [t.detach().double() for t in group]
-        group_rms = torch.cat([t.flatten() for t in group]).square().mean().sqrt()
-        want = [float(t.square().mean().sqrt() / group_rms) for t in group]
+        want = rms_ratios([t.double() for t in group])
         assert got == pytest.approx(want, rel=1e-9)
         assert len(set(round(x, 6) for x in got)) > 1  # the tiny model's layers differ in scale
 
@@ -198,10 +203,7 @@ def test_training_loop_matches_plain_pytorch(model, weighting, layer_scaled):
     L = model.config.num_layers
     scales = [1.0] * (2 * L)
     if layer_scaled:
-        keys_rms = torch.cat([t.detach().flatten() for t in ref_trainable[:L]]).square().mean().sqrt()
-        values_rms = torch.cat([t.detach().flatten() for t in ref_trainable[L:]]).square().mean().sqrt()
-        scales = [float(t.detach().square().mean().sqrt() / (keys_rms if i < L else values_rms))
-                  for i, t in enumerate(ref_trainable)]
+        scales = rms_ratios(ref_trainable[:L]) + rms_ratios(ref_trainable[L:])
     cartridges_core.train_cartridge(model.core, params, data, options(**kw))
 
     counts = data.target_mask.sum(1)

@@ -40,7 +40,7 @@ class TrainConfig:
     None: an eighth of the corpus, in multiples of 16, at least 64 and at most 2048
     (`default_num_tokens`). Screened on 2026-11-23 (benchmarks/README.md): an eighth of the
     document recovered 0.55 on the held-out documents over two seeds, against 0.49 at 256;
-    end to end with fresh synthesis over three seeds, 0.54."""
+    end to end with fresh synthesis over three seeds, 0.54 (0.61 since layer_scaled_lr)."""
     num_frozen: int = 1
     """Leading tokens never trained (the attention sink)."""
     init: str = "corpus"
@@ -104,7 +104,8 @@ class TrainConfig:
     lr × anchor of the way back to where it started (0: none). No gain in the screen of
     2026-11-23 (benchmarks/README.md, "Anchoring training to the initialization"): it pulls
     every run toward its initialization, lifting the manual's failing seed above it (anchor 2)
-    but lowering most good runs; held-out mean 0.54 at anchor 1 (as the default), 0.49 at 2."""
+    but lowering most good runs; held-out mean 0.54 at anchor 1 (as without it), 0.49 at 2; screened
+    before layer_scaled_lr, with one lr for all layers."""
     layer_scaled_lr: bool = True
     """Each layer's keys (and values) step at lr × their initial RMS / the RMS of all the
     cartridge's keys (values), so every layer moves by the same share of its size. With one lr
