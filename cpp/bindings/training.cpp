@@ -86,6 +86,7 @@ void bind_training(py::module_& m) {
       .def_readwrite("batch_size", &TrainOptions::batch_size)
       .def_readwrite("grad_accum", &TrainOptions::grad_accum)
       .def_readwrite("cosine", &TrainOptions::cosine)
+      .def_readwrite("warmup", &TrainOptions::warmup, "see TrainConfig.warmup")
       .def_readwrite("layer_scaled_lr", &TrainOptions::layer_scaled_lr, "see TrainConfig.layer_scaled_lr")
       .def_readwrite("seed", &TrainOptions::seed)
       .def_property(
@@ -100,7 +101,9 @@ void bind_training(py::module_& m) {
           [](TrainOptions& o, std::shared_ptr<KVPrefix> p) { o.companion = std::move(p); },
           "a prefix put in front of the cartridge for every companion_every-th conversation (None: never)")
       .def_readwrite("companion_every", &TrainOptions::companion_every)
-      .def("total_steps", &TrainOptions::total_steps, py::arg("num_conversations"));
+      .def("total_steps", &TrainOptions::total_steps, py::arg("num_conversations"))
+      .def("lr_at", &TrainOptions::lr_at, py::arg("step"), py::arg("total"),
+           "the learning rate of step `step` (0-based) of a run of `total` steps: warmup, then cosine");
 
   py::class_<TrainProgress>(m, "TrainProgress")
       .def_readonly("step", &TrainProgress::step)

@@ -100,6 +100,24 @@ TEST_F(CartridgeTest, LayerLrScalesAreOneForLayersOfEqualScale) {
   EXPECT_NEAR(uneven[config.num_layers] / uneven[config.num_layers + 1], 2.0, 1e-12);
 }
 
+TEST(LearningRateSchedule, WarmupThenCosine) {
+  TrainOptions options;
+  options.adam.lr = 0.1;
+  options.cosine = true;
+  options.warmup = 0.2;  // 2 of 10 steps
+  EXPECT_DOUBLE_EQ(options.lr_at(0, 10), 0.05);
+  EXPECT_DOUBLE_EQ(options.lr_at(1, 10), 0.1);
+  EXPECT_DOUBLE_EQ(options.lr_at(2, 10), 0.1);  // the cosine's first step
+  EXPECT_NEAR(options.lr_at(6, 10), 0.05, 1e-12);  // half way through the 8 cosine steps
+  EXPECT_LT(options.lr_at(9, 10), 0.01);
+  options.warmup = 0.0;  // the cosine over all steps, as before warmup existed
+  EXPECT_NEAR(options.lr_at(5, 10), 0.05, 1e-12);
+  options.cosine = false;
+  EXPECT_DOUBLE_EQ(options.lr_at(9, 10), 0.1);
+  options.warmup = 1.0;
+  EXPECT_THROW(options.lr_at(0, 10), c10::Error);
+}
+
 TEST_F(CartridgeTest, ResumeEqualsUninterruptedRun) {
   TrainOptions options;
   options.epochs = 2;

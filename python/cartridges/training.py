@@ -67,6 +67,7 @@ def train_options(config: TrainConfig) -> cartridges_core.TrainOptions:
     options.batch_size = config.batch_size
     options.grad_accum = config.grad_accum
     options.cosine = config.cosine
+    options.warmup = config.warmup
     options.layer_scaled_lr = config.layer_scaled_lr
     options.weighting = config.loss_weighting
     options.seed = config.seed

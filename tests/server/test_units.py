@@ -100,6 +100,25 @@ def test_serve_help_lists_options(capsys: pytest.CaptureFixture[str]) -> None:
         assert option in out
 
 
+def test_train_help_describes_every_config_field(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every TrainConfig field is a flag of `cartridges train`, and its help says what it does
+    (the first sentence of the field's docstring), not only its default."""
+    from dataclasses import fields
+
+    from cartridges.selfstudy.config import TrainConfig, field_summaries
+
+    summaries = field_summaries()
+    assert set(summaries) == {f.name for f in fields(TrainConfig)}
+    assert summaries["epochs"] == "Passes over the conversations."
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for f in fields(TrainConfig):
+        assert "--" + f.name.replace("_", "-") in out
+    assert "--epochs EPOCHS Passes over the conversations. (default: 2)" in out
+    assert "--warmup WARMUP Share of the run's optimizer steps" in out
+
+
 def test_bootstrap_creates_default_user_once(tmp_path: Path) -> None:
     import io
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -100,11 +101,12 @@ def test_adam_matches_torch_optim(anchor, lr_scales):
 
 
 def test_train_options_carry_the_config():
-    config = TrainConfig(lr=0.03, anchor=2.0, epochs=3, batch_size=5, grad_accum=2, cosine=False,
+    config = TrainConfig(lr=0.03, anchor=2.0, epochs=3, batch_size=5, grad_accum=2, cosine=False, warmup=0.2,
                          layer_scaled_lr=False, loss_weighting="row", seed=7)
     o = train_options(config)
-    got = (o.lr, o.anchor, o.epochs, o.batch_size, o.grad_accum, o.cosine, o.layer_scaled_lr, o.weighting, o.seed)
-    assert got == (0.03, 2.0, 3, 5, 2, False, False, "row", 7)
+    got = (o.lr, o.anchor, o.epochs, o.batch_size, o.grad_accum, o.cosine, o.warmup, o.layer_scaled_lr, o.weighting,
+           o.seed)
+    assert got == (0.03, 2.0, 3, 5, 2, False, 0.2, False, "row", 7)
     defaults = train_options(TrainConfig())
     assert (defaults.cosine, defaults.layer_scaled_lr, defaults.weighting) == (True, True, "step")
 
@@ -189,15 +191,55 @@ def with_targets(data: cartridges_core.TrainingData, per_row: list[int]) -> cart
                                         data.topk_logprobs[keep].contiguous())
 
 
-@pytest.mark.parametrize("weighting, layer_scaled", [("step", False), ("token", False), ("row", False),
-                                                     ("step", True)])
-def test_training_loop_matches_plain_pytorch(model, weighting, layer_scaled):
+def reference_lr(lr: float, step: int, total: int, warmup: float, cosine: bool) -> float:
+    """Linear warmup over warmup * total steps rounded half up (at least 1), then cosine decay to 0."""
+    w = max(1, math.floor(warmup * total + 0.5)) if warmup > 0 else 0
+    if step < w:
+        return lr * (step + 1) / w
+    return lr * 0.5 * (1 + math.cos(math.pi * (step - w) / (total - w))) if cosine else lr
+
+
+@pytest.mark.parametrize("warmup", [0.0, 0.25, 0.1, 0.5])
+@pytest.mark.parametrize("cosine", [False, True])
+def test_learning_rate_schedule(model, warmup, cosine):
+    o = options(lr=0.04, warmup=warmup, cosine=cosine)
+    total = 10
+    want = [reference_lr(0.04, s, total, warmup, cosine) for s in range(total)]
+    assert [o.lr_at(s, total) for s in range(total)] == pytest.approx(want, rel=1e-12)
+    if warmup * total > 1:  # a warmup of one step is the full lr at once
+        assert want[0] < want[1] and max(want) == pytest.approx(0.04)
+    # The loop steps at these rates (10 conversations, one a step).
+    seen = []
+    cartridges_core.train_cartridge(model.core, prefix_params(model), random_data(model.config.vocab_size, n=10),
+                                    options(lr=0.04, warmup=warmup, cosine=cosine, batch_size=1),
+                                    lambda p: seen.append(p.lr) or True)
+    assert seen == pytest.approx(want, rel=1e-12)
+
+
+def test_bad_warmup_is_refused(model):
+    with pytest.raises(RuntimeError, match="warmup"):
+        cartridges_core.train_cartridge(model.core, prefix_params(model), random_data(model.config.vocab_size),
+                                        options(warmup=1.0))
+    with pytest.raises(RuntimeError, match="step"):
+        options(warmup=0.1).lr_at(10, 10)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="warmup"):
+            TrainConfig(warmup=bad)
+
+
+@pytest.mark.parametrize("weighting, layer_scaled, warmup", [("step", False, 0.0), ("token", False, 0.0),
+                                                             ("row", False, 0.0), ("step", True, 0.0),
+                                                             ("step", True, 0.3)])
+def test_training_loop_matches_plain_pytorch(model, weighting, layer_scaled, warmup):
     """The loop against torch.optim.Adam on the reference loss, with steps of very different
     target counts. A step's summed loss is divided by its own targets ("step") or by the run's
     mean targets per step ("token"); "row" averages each row's mean loss over the step's rows.
-    layer_scaled: each tensor's lr is scaled by its initial RMS over its group's (keys, values)."""
+    layer_scaled: each tensor's lr is scaled by its initial RMS over its group's (keys, values).
+    warmup: the lr rises over the first steps and then decays by cosine (the schedule's own
+    figures are checked in test_learning_rate_schedule)."""
     data = with_targets(random_data(model.config.vocab_size, n=6), [9, 1, 8, 2, 1, 9])
-    kw = dict(epochs=2, batch_size=2, seed=3, weighting=weighting, layer_scaled_lr=layer_scaled)
+    schedule = dict(warmup=warmup, cosine=True) if warmup else {}
+    kw = dict(epochs=2, batch_size=2, seed=3, weighting=weighting, layer_scaled_lr=layer_scaled, **schedule)
     params = prefix_params(model)
     ref_trainable, _, _ = reference_prefix(model, params)
     L = model.config.num_layers
@@ -212,6 +254,9 @@ def test_training_loop_matches_plain_pytorch(model, weighting, layer_scaled):
     for epoch in range(2):
         order = cartridges_core.training_order(6, 3, epoch)
         for j in range(3):
+            lr = reference_lr(options().lr, 3 * epoch + j, 6, warmup, bool(schedule))
+            for group, scale in zip(adam.param_groups, scales):
+                group["lr"] = lr * scale
             rows = order[2 * j : 2 * j + 2]
             keys = [torch.cat([f, t], 1) for f, t in zip(params.frozen_keys, ref_trainable[:L])]
             values = [torch.cat([f, t], 1) for f, t in zip(params.frozen_values, ref_trainable[L:])]

@@ -106,7 +106,12 @@ struct TrainOptions {
   int64_t epochs = 1;           // passes over the data
   int64_t batch_size = 4;       // conversations per forward/backward (micro-batch)
   int64_t grad_accum = 1;       // micro-batches per optimizer step
-  bool cosine = false;          // cosine decay of lr from adam.lr to 0 over all steps
+  bool cosine = false;          // cosine decay of lr from adam.lr to 0 (after the warmup)
+  // Share of the run's steps, W = round(warmup x total) (at least 1 when warmup > 0), over which
+  // the lr rises linearly to adam.lr: step s (0-based) < W takes adam.lr x (s + 1) / W. Adam's
+  // first steps move every element by about the full lr whatever the gradient's noise; a warmup
+  // keeps those steps small while the moment estimates settle. 0: none. In [0, 1).
+  double warmup = 0.0;
   int64_t seed = 0;             // order of conversations: a permutation per epoch from (seed, epoch)
   // How a step's loss is averaged. kStep: over the step's own targets, so every step weighs the
   // same, but within a step a row of 128 targets (recall) outweighs one of 2 (cloze) 64 times.
@@ -127,6 +132,8 @@ struct TrainOptions {
 
   // Optimizer steps of the whole run for `n` conversations.
   int64_t total_steps(int64_t n) const;
+  // The learning rate of step `step` (0-based) of a run of `total` steps: warmup, then cosine.
+  double lr_at(int64_t step, int64_t total) const;
 };
 
 // Per parameter of params.parameters() (keys of every layer, then values): the layer's RMS over

@@ -79,6 +79,17 @@ int64_t TrainOptions::total_steps(int64_t n) const {
   return epochs * ((n + per_step - 1) / per_step);
 }
 
+double TrainOptions::lr_at(int64_t step, int64_t total) const {
+  TORCH_CHECK(warmup >= 0.0 && warmup < 1.0, "lr_at: warmup must be in [0, 1), got ", warmup);
+  TORCH_CHECK(step >= 0 && step < total, "lr_at: step ", step, " is not in a run of ", total, " steps");
+  const int64_t warmup_steps =
+      warmup > 0.0 ? std::max<int64_t>(1, std::llround(warmup * static_cast<double>(total))) : 0;
+  if (step < warmup_steps) return adam.lr * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
+  if (!cosine) return adam.lr;
+  const double progress = static_cast<double>(step - warmup_steps) / static_cast<double>(total - warmup_steps);
+  return adam.lr * 0.5 * (1.0 + std::cos(kPi * progress));
+}
+
 // On disk: a flat tuple (name, tensor, name, tensor, ...). A tuple carries no type tags, so
 // torch.load(weights_only=True) reads it: dict(zip(t[::2], t[1::2])).
 void save_checkpoint(const std::string& path, const CartridgeParams& params, const Adam& adam) {
@@ -170,6 +181,8 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
   data.validate(model.config().vocab_size);
   TORCH_CHECK(options.batch_size > 0 && options.grad_accum > 0 && options.epochs > 0,
               "train_cartridge: batch_size, grad_accum and epochs must be positive");
+  TORCH_CHECK(options.warmup >= 0.0 && options.warmup < 1.0, "train_cartridge: warmup must be in [0, 1), got ",
+              options.warmup);
   TORCH_CHECK(!options.resume || !options.checkpoint_path.empty(), "train_cartridge: resume needs a checkpoint_path");
   // Scales from the initialization (before a resume loads the trained tensors), as the anchor.
   Adam adam(params.parameters(), options.adam,
@@ -236,7 +249,7 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
       adam.zero_grad();  // the partial step is dropped
       break;
     }
-    const double lr = options.cosine ? options.adam.lr * 0.5 * (1.0 + std::cos(kPi * step / total)) : options.adam.lr;
+    const double lr = options.lr_at(step, total);
     {
       ComputeLock turn;
       adam.step(lr);

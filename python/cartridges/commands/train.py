@@ -17,7 +17,7 @@ def _options():
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from ..selfstudy.config import INITS, LOSS_WEIGHTINGS, OBJECTIVES, TrainConfig
+    from ..selfstudy.config import INITS, LOSS_WEIGHTINGS, OBJECTIVES, TrainConfig, field_summaries
 
     parser = subparsers.add_parser(
         "train",
@@ -33,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     defaults = TrainConfig()
     choices = {"init": INITS, "objective": OBJECTIVES, "loss_weighting": LOSS_WEIGHTINGS}
+    summaries = field_summaries()
     for f in fields(TrainConfig):
         value = getattr(defaults, f.name)
         flag = "--" + f.name.replace("_", "-")
@@ -48,12 +49,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             parser.add_argument(flag, type=int, default=None, metavar="N",
                                 help="held-out conversations for the quality report (default: max(8, "
                                      "num_samples / 16), at most 32; 0: no report)")
-        elif isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value,
-                                help=f"(default: {value})")
         else:
-            parser.add_argument(flag, type=type(value), default=value, choices=choices.get(f.name),
-                                help=f"(default: {value})")
+            # argparse formats help with %: a literal % in a docstring must be doubled.
+            summary = summaries.get(f.name, "").replace("%", "%%")
+            help_text = f"{summary} (default: {value})".strip()
+            if isinstance(value, bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=help_text)
+            else:
+                parser.add_argument(flag, type=type(value), default=value, choices=choices.get(f.name),
+                                    help=help_text)
     parser.set_defaults(run=run)
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import math
+import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -78,8 +81,9 @@ class TrainConfig:
     answer_temperature: float = 0.0
     """Temperature of "B", who answers with the window in context (0: greedy)."""
     max_question_tokens: int = 48
+    """The longest message "A" writes, in tokens."""
     max_answer_tokens: int = 128
-    """Longer answers are cut here; an answer that ends in a loop (the same words over and over,
+    """The longest answer "B" writes, in tokens. Longer answers are cut here; an answer that ends in a loop (the same words over and over,
     which small models fall into) is cut where the loop starts."""
     top_k: int = 20
     """Teacher log-probabilities kept per answer token."""
@@ -90,6 +94,7 @@ class TrainConfig:
 
     # Training
     lr: float = 2e-2
+    """Adam's learning rate (its peak, between the warmup and the cosine decay)."""
     epochs: int = 2
     """Passes over the conversations. Two gained on the tuning document (benchmarks/README.md,
     E3) and, since synthesis got faster, fit in the 10 minutes a 2,500-token document gets."""
@@ -98,7 +103,11 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
     cosine: bool = True
-    """Cosine decay of the learning rate to 0 over the run."""
+    """Cosine decay of the learning rate to 0 over the run (after the warmup)."""
+    warmup: float = 0.0
+    """Share of the run's optimizer steps over which the learning rate rises linearly to lr
+    (from lr / W at the first of its W steps). Adam's first steps move every value by about the
+    full lr whatever the gradient's noise. 0: none."""
     anchor: float = 0.0
     """Pull toward the initialization: after each optimizer step every trained KV value moves
     lr × anchor of the way back to where it started (0: none). No gain in the screen of
@@ -160,6 +169,8 @@ class TrainConfig:
             raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}")
         if self.lr <= 0:
             raise ValueError("lr must be positive")
+        if not 0.0 <= self.warmup < 1.0:
+            raise ValueError("warmup must be in [0, 1) (a share of the run's steps)")
         if not 0 <= self.anchor * self.lr < 1:
             raise ValueError("anchor must be >= 0, and anchor * lr < 1 (the share of the way back per step)")
         if self.quality_samples is None and self.num_samples is not None:
@@ -190,3 +201,20 @@ class TrainConfig:
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def field_summaries() -> dict[str, str]:
+    """The first sentence of each TrainConfig field's docstring (the string under the field in
+    this file), for help texts; {} where the source cannot be read."""
+    try:
+        body = ast.parse(inspect.getsource(TrainConfig)).body[0].body  # type: ignore[attr-defined]
+    except (OSError, TypeError):
+        return {}
+    summaries = {}
+    for field, doc in zip(body, body[1:]):
+        if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+                and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)):
+            text = " ".join(doc.value.value.split())
+            summaries[field.target.id] = re.split(r"(?<=[.])\s(?=[A-Z\"(])", text, maxsplit=1)[0]
+    return summaries
