@@ -66,11 +66,13 @@ void bind_training(py::module_& m) {
 
   py::class_<Adam>(m, "Adam")
       .def(py::init([](std::vector<at::Tensor> params, double lr, double beta1, double beta2, double eps,
-                       double anchor, std::vector<double> lr_scales) {
-             return Adam(std::move(params), AdamOptions{lr, beta1, beta2, eps, anchor}, std::move(lr_scales));
+                       double anchor, std::vector<double> lr_scales, std::vector<at::Tensor> channel_scales) {
+             return Adam(std::move(params), AdamOptions{lr, beta1, beta2, eps, anchor}, std::move(lr_scales),
+                         std::move(channel_scales));
            }),
            py::arg("params"), py::arg("lr") = 2e-2, py::arg("beta1") = 0.9, py::arg("beta2") = 0.999,
-           py::arg("eps") = 1e-8, py::arg("anchor") = 0.0, py::arg("lr_scales") = std::vector<double>{})
+           py::arg("eps") = 1e-8, py::arg("anchor") = 0.0, py::arg("lr_scales") = std::vector<double>{},
+           py::arg("channel_scales") = std::vector<at::Tensor>{})
       .def("step", &Adam::step, py::arg("lr"))
       .def("zero_grad", &Adam::zero_grad)
       .def_property_readonly("steps", &Adam::steps);
@@ -88,6 +90,7 @@ void bind_training(py::module_& m) {
       .def_readwrite("cosine", &TrainOptions::cosine)
       .def_readwrite("warmup", &TrainOptions::warmup, "see TrainConfig.warmup")
       .def_readwrite("layer_scaled_lr", &TrainOptions::layer_scaled_lr, "see TrainConfig.layer_scaled_lr")
+      .def_readwrite("channel_scaled_lr", &TrainOptions::channel_scaled_lr, "see TrainConfig.channel_scaled_lr")
       .def_readwrite("seed", &TrainOptions::seed)
       .def_property(
           "weighting", [](const TrainOptions& o) { return std::string(loss_weighting_name(o.weighting)); },
@@ -142,6 +145,9 @@ void bind_training(py::module_& m) {
 
   m.def("layer_lr_scales", &layer_lr_scales, py::arg("params"),
         "Per parameter of params.parameters(): its layer's RMS over the RMS of all keys (or values).");
+  m.def("channel_lr_scales", &channel_lr_scales, py::arg("params"),
+        "Per parameter of params.parameters(): a [H_kv, 1, D] tensor, each channel's RMS over the trainable "
+        "tokens over the RMS of all keys (or values).");
 
   m.def("training_order", &training_order, py::arg("n"), py::arg("seed"), py::arg("epoch"),
         "The order in which epoch `epoch` of a run with `seed` takes n conversations.");

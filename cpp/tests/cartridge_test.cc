@@ -86,6 +86,31 @@ TEST_F(CartridgeTest, AdamLrScalesScaleEachParametersFirstStep) {
   EXPECT_THROW(Adam({a, b}, AdamOptions{}, {1.0}), c10::Error);
 }
 
+TEST(AdamTest, ChannelScalesMultiplyEachElementsStep) {
+  auto a = at::randn({2, 3, 4}).set_requires_grad(true);
+  auto a0 = a.detach().clone();
+  auto scales = at::rand({2, 1, 4});
+  Adam adam({a}, AdamOptions{}, {}, {scales});
+  (a * at::randn({2, 3, 4})).sum().backward();
+  adam.step(0.1);  // Adam's first step: lr x sign(grad), here times each channel's scale
+  EXPECT_TRUE(at::allclose(a0 - a.detach(), 0.1 * scales * a.grad().sign(), 1e-5, 1e-6));
+  EXPECT_THROW(Adam({a}, AdamOptions{}, {}, {at::ones({2, 1, 3})}), c10::Error);
+}
+
+TEST_F(CartridgeTest, ChannelLrScalesOfEqualChannelsAreTheLayerScales) {
+  auto params = CartridgeParams::from_prefix(prefix, 1);
+  for (auto& k : params.trainable_keys) k.detach().fill_(3.0);
+  for (auto& v : params.trainable_values) v.detach().fill_(-0.5);
+  params.trainable_values[0].detach().fill_(-1.0);
+  auto layer = layer_lr_scales(params);
+  auto channel = channel_lr_scales(params);
+  ASSERT_EQ(channel.size(), layer.size());
+  for (size_t i = 0; i < channel.size(); ++i) {
+    EXPECT_EQ(channel[i].size(1), 1);
+    EXPECT_TRUE(at::allclose(channel[i], at::full_like(channel[i], layer[i]), 1e-6, 1e-7)) << "parameter " << i;
+  }
+}
+
 TEST_F(CartridgeTest, LayerLrScalesAreOneForLayersOfEqualScale) {
   auto params = CartridgeParams::from_prefix(prefix, 1);
   auto scales = layer_lr_scales(params);

@@ -69,6 +69,7 @@ def train_options(config: TrainConfig) -> cartridges_core.TrainOptions:
     options.cosine = config.cosine
     options.warmup = config.warmup
     options.layer_scaled_lr = config.layer_scaled_lr
+    options.channel_scaled_lr = config.channel_scaled_lr
     options.weighting = config.loss_weighting
     options.seed = config.seed
     return options

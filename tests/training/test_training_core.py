@@ -102,13 +102,14 @@ def test_adam_matches_torch_optim(anchor, lr_scales):
 
 def test_train_options_carry_the_config():
     config = TrainConfig(lr=0.03, anchor=2.0, epochs=3, batch_size=5, grad_accum=2, cosine=False, warmup=0.2,
-                         layer_scaled_lr=False, loss_weighting="row", seed=7)
+                         layer_scaled_lr=False, channel_scaled_lr=True, loss_weighting="row", seed=7)
     o = train_options(config)
-    got = (o.lr, o.anchor, o.epochs, o.batch_size, o.grad_accum, o.cosine, o.warmup, o.layer_scaled_lr, o.weighting,
-           o.seed)
-    assert got == (0.03, 2.0, 3, 5, 2, False, 0.2, False, "row", 7)
+    got = (o.lr, o.anchor, o.epochs, o.batch_size, o.grad_accum, o.cosine, o.warmup, o.layer_scaled_lr,
+           o.channel_scaled_lr, o.weighting, o.seed)
+    assert got == (0.03, 2.0, 3, 5, 2, False, 0.2, False, True, "row", 7)
     defaults = train_options(TrainConfig())
-    assert (defaults.cosine, defaults.layer_scaled_lr, defaults.weighting) == (True, True, "step")
+    assert (defaults.cosine, defaults.warmup, defaults.layer_scaled_lr, defaults.channel_scaled_lr,
+            defaults.weighting) == (True, 0.0, True, False, "step")
 
 
 def test_adam_refuses_bad_lr_scales():
@@ -124,6 +125,76 @@ def rms_ratios(group: list[torch.Tensor]) -> list[float]:
     group = [t.detach() for t in group]
     group_rms = torch.cat([t.flatten() for t in group]).square().mean().sqrt()
     return [float(t.square().mean().sqrt() / group_rms) for t in group]
+
+
+def channel_leaves(t: torch.Tensor) -> list[list[torch.Tensor]]:
+    """[H, T, D] as H x D leaf tensors of [T], one per channel, so that torch.optim.Adam can give
+    each channel its own parameter group (and so its own lr)."""
+    return [[t[h, :, d].detach().clone().requires_grad_(True) for d in range(t.shape[2])] for h in range(t.shape[0])]
+
+
+def from_channels(leaves: list[list[torch.Tensor]]) -> torch.Tensor:
+    return torch.stack([torch.stack(row, -1) for row in leaves])
+
+
+@pytest.mark.parametrize("anchor", [0.0, 5.0])
+def test_adam_with_channel_scales_matches_torch_optim(anchor):
+    """Channel scales multiply each element's step: Adam with a parameter group per channel."""
+    g = torch.Generator().manual_seed(2)
+    ours = [torch.randn(2, 5, 3, generator=g).requires_grad_(True) for _ in range(2)]
+    starts = [p.detach().clone() for p in ours]
+    channel_scales = [torch.rand(2, 1, 3, generator=g) * 3 for _ in ours]
+    leaves = [channel_leaves(p) for p in ours]
+    groups = [{"params": [leaf], "lr": 2e-2 * float(c[h, 0, d])}
+              for p_leaves, c in zip(leaves, channel_scales)
+              for h, row in enumerate(p_leaves) for d, leaf in enumerate(row)]
+    adam = cartridges_core.Adam(ours, lr=2e-2, anchor=anchor, channel_scales=channel_scales)
+    torch_adam = torch.optim.Adam(groups)
+    for _ in range(5):
+        grads = [torch.randn(p.shape, generator=g) for p in ours]
+        for p, p_leaves, grad in zip(ours, leaves, grads):
+            p.grad = grad.clone()
+            for h, row in enumerate(p_leaves):
+                for d, leaf in enumerate(row):
+                    leaf.grad = grad[h, :, d].clone()
+        adam.step(2e-2)
+        torch_adam.step()
+        with torch.no_grad():
+            for p_leaves, start, c in zip(leaves, starts, channel_scales):
+                for h, row in enumerate(p_leaves):
+                    for d, leaf in enumerate(row):
+                        leaf.lerp_(start[h, :, d], 2e-2 * float(c[h, 0, d]) * anchor)
+        adam.zero_grad()
+    for p, p_leaves in zip(ours, leaves):
+        torch.testing.assert_close(p.detach(), from_channels(p_leaves).detach(), rtol=0, atol=1e-6)
+
+
+def test_adam_refuses_bad_channel_scales():
+    params = [torch.zeros(2, 4, 3, requires_grad=True)]
+    with pytest.raises(Exception, match="broadcast"):
+        cartridges_core.Adam(params, channel_scales=[torch.ones(2, 1, 4)])
+    with pytest.raises(Exception, match="finite"):
+        cartridges_core.Adam(params, channel_scales=[-torch.ones(2, 1, 3)])
+    with pytest.raises(Exception, match="1 parameters"):
+        cartridges_core.Adam(params, channel_scales=[torch.ones(2, 1, 3)] * 2)
+
+
+def test_channel_lr_scales_are_channel_rms_ratios(model):
+    """Each channel's RMS over the trainable tokens, over the RMS of all trainable keys (values);
+    a layer's channels' scales have that layer's scale as their RMS."""
+    params = prefix_params(model, n=7, frozen=2)
+    scales = cartridges_core.channel_lr_scales(params)
+    layer_scales = cartridges_core.layer_lr_scales(params)
+    L = model.config.num_layers
+    for group, got in ((params.trainable_keys, scales[:L]), (params.trainable_values, scales[L:])):
+        group_rms = torch.cat([t.detach().double().flatten() for t in group]).square().mean().sqrt()
+        for t, c in zip(group, got):
+            want = t.detach().double().square().mean(1, keepdim=True).sqrt() / group_rms
+            assert c.shape == want.shape == (t.shape[0], 1, t.shape[2])
+            torch.testing.assert_close(c.double(), want, rtol=1e-6, atol=0)
+    for c, layer in zip(scales, layer_scales):
+        assert float(c.double().square().mean().sqrt()) == pytest.approx(layer, rel=1e-6)
+    assert len({round(float(x), 4) for x in scales[0].flatten()}) > 1  # channels differ
 
 
 def test_layer_lr_scales_are_rms_ratios(model):
@@ -275,6 +346,49 @@ def test_training_loop_matches_plain_pytorch(model, weighting, layer_scaled, war
         torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-4, atol=1e-5)
 
 
+def test_training_loop_with_channel_scales_matches_plain_pytorch(model):
+    """channel_scaled_lr: every channel of every key and value tensor steps at lr x its initial
+    RMS over the group's (torch.optim.Adam with one parameter group per channel)."""
+    data = random_data(model.config.vocab_size, n=6)
+    params = prefix_params(model)
+    scales = [c.clone() for c in cartridges_core.channel_lr_scales(params)]
+    leaves = [channel_leaves(t) for t in (*params.trainable_keys, *params.trainable_values)]
+    cartridges_core.train_cartridge(model.core, params, data,
+                                    options(epochs=2, batch_size=2, seed=4, layer_scaled_lr=True,
+                                            channel_scaled_lr=True))
+
+    L = model.config.num_layers
+    adam = torch.optim.Adam([{"params": [leaf], "lr": options().lr * float(c[h, 0, d])}
+                             for p_leaves, c in zip(leaves, scales)
+                             for h, row in enumerate(p_leaves) for d, leaf in enumerate(row)])
+    for epoch in range(2):
+        order = cartridges_core.training_order(6, 4, epoch)
+        for j in range(3):
+            rows = order[2 * j : 2 * j + 2]
+            trainable = [from_channels(p_leaves) for p_leaves in leaves]
+            keys = [torch.cat([f, t], 1) for f, t in zip(params.frozen_keys, trainable[:L])]
+            values = [torch.cat([f, t], 1) for f, t in zip(params.frozen_values, trainable[L:])]
+            loss = reference.distillation_loss_sum(model.weights, model.config, data, rows, keys, values)
+            (loss / float(data.target_mask[rows].sum())).backward()
+            adam.step()
+            adam.zero_grad()
+    for got, p_leaves in zip((*params.trainable_keys, *params.trainable_values), leaves):
+        torch.testing.assert_close(got.detach(), from_channels(p_leaves).detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_channel_scaled_lr_needs_layer_scaled_lr(model):
+    """channel_scaled_lr refines layer_scaled_lr: without it, training is unscaled."""
+    data = random_data(model.config.vocab_size, n=4)
+    runs = []
+    for layer, channel in ((False, False), (False, True), (True, True)):
+        params = prefix_params(model)
+        cartridges_core.train_cartridge(model.core, params, data, options(
+            epochs=1, batch_size=2, layer_scaled_lr=layer, channel_scaled_lr=channel))
+        runs.append(snapshot(params))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
+    assert not all(torch.equal(a, b) for a, b in zip(runs[0], runs[2]))
+
+
 def test_loss_weightings_train_different_cartridges(model):
     data = with_targets(random_data(model.config.vocab_size, n=6), [9, 1, 8, 2, 1, 9])
     trained = []
@@ -293,11 +407,13 @@ def test_unknown_loss_weighting_is_refused():
         TrainConfig(loss_weighting="tokens")
 
 
-@pytest.mark.parametrize("layer_scaled", [False, True])
-def test_resume_equals_uninterrupted_run(model, tmp_path, layer_scaled):
-    """With layer_scaled_lr, the scales come from the initialization, not from the checkpoint."""
+@pytest.mark.parametrize("scaling", ["none", "layer", "channel"])
+def test_resume_equals_uninterrupted_run(model, tmp_path, scaling):
+    """With layer_scaled_lr or channel_scaled_lr, the scales come from the initialization, not
+    from the checkpoint."""
     data = random_data(model.config.vocab_size, n=7)
-    kw = dict(epochs=3, batch_size=2, grad_accum=2, cosine=True, seed=5, layer_scaled_lr=layer_scaled)
+    kw = dict(epochs=3, batch_size=2, grad_accum=2, cosine=True, seed=5, layer_scaled_lr=scaling != "none",
+              channel_scaled_lr=scaling == "channel")
     full = prefix_params(model)
     cartridges_core.train_cartridge(model.core, full, data, options(**kw))
 

@@ -77,7 +77,10 @@ struct AdamOptions {
 class Adam {
  public:
   // lr_scales: one factor per parameter on the step's learning rate (empty: all 1).
-  Adam(std::vector<at::Tensor> params, AdamOptions options, std::vector<double> lr_scales = {});
+  // channel_scales: per parameter, a tensor broadcast against it whose elements multiply the
+  // step elementwise (empty: none).
+  Adam(std::vector<at::Tensor> params, AdamOptions options, std::vector<double> lr_scales = {},
+       std::vector<at::Tensor> channel_scales = {});
   // One update from the params' .grad() at learning rate `lr` (times the parameter's scale);
   // params without a gradient are skipped. Gradients are left in place (call zero_grad()).
   void step(double lr);
@@ -93,6 +96,7 @@ class Adam {
   std::vector<at::Tensor> params_, exp_avg_, exp_avg_sq_, anchors_;
   AdamOptions options_;
   std::vector<double> lr_scales_;
+  std::vector<at::Tensor> channel_scales_;
   int64_t step_ = 0;
 };
 
@@ -122,6 +126,10 @@ struct TrainOptions {
   // Each layer's keys (values) step at lr x their initial RMS / the RMS of all the cartridge's
   // keys (values): every layer moves by the same share of its size (layer_lr_scales).
   bool layer_scaled_lr = false;
+  // With layer_scaled_lr, finer: each channel (layer, head and dimension) of the keys (values)
+  // steps at lr x its initial RMS over the tokens / the RMS of all the cartridge's keys (values)
+  // (channel_lr_scales). Within a head, SmolLM2's key dimensions differ in size ~16x, its values' ~3x.
+  bool channel_scaled_lr = false;
   std::string checkpoint_path;  // empty: no checkpoints
   int64_t checkpoint_every = 0; // steps between checkpoints (and one at the end); 0: never
   bool resume = false;          // start from checkpoint_path when it exists
@@ -141,6 +149,9 @@ struct TrainOptions {
 // value). The KV's scale differs ~40x across layers (SmolLM2's layer-0 values have RMS 0.05,
 // its last layers' 1.4), so one absolute Adam step moves some layers far more than others.
 std::vector<double> layer_lr_scales(const CartridgeParams& params);
+// Per parameter of params.parameters(), a [H_kv, 1, D] tensor: each channel's RMS over the
+// trainable tokens divided by the RMS of all trainable keys (for a key) or values (for a value).
+std::vector<at::Tensor> channel_lr_scales(const CartridgeParams& params);
 
 // The order in which epoch `epoch` takes N conversations: a permutation drawn from (seed,
 // epoch) alone, so a resumed run sees the batches of an uninterrupted one.

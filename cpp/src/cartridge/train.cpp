@@ -175,6 +175,25 @@ std::vector<double> layer_lr_scales(const CartridgeParams& params) {
   return scales;
 }
 
+std::vector<at::Tensor> channel_lr_scales(const CartridgeParams& params) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> scales;
+  for (const auto* group : {&params.trainable_keys, &params.trainable_values}) {
+    double total_sq = 0.0, total_n = 0.0;
+    for (const auto& t : *group) {
+      total_sq += t.to(at::kDouble).square().sum().item<double>();
+      total_n += static_cast<double>(t.numel());
+    }
+    const double group_rms = std::sqrt(total_sq / std::max(total_n, 1.0));
+    TORCH_CHECK(group_rms > 0, "channel_lr_scales: the cartridge's keys or values are all zero");
+    for (const auto& t : *group) {
+      scales.push_back(t.detach().to(at::kDouble).square().mean({1}, /*keepdim=*/true).sqrt().div(group_rms)
+                           .to(at::kFloat));
+    }
+  }
+  return scales;
+}
+
 TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, const TrainingData& data,
                             const TrainOptions& options, const ProgressCallback& on_progress,
                             const std::atomic<bool>* cancel) {
@@ -185,8 +204,10 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
               options.warmup);
   TORCH_CHECK(!options.resume || !options.checkpoint_path.empty(), "train_cartridge: resume needs a checkpoint_path");
   // Scales from the initialization (before a resume loads the trained tensors), as the anchor.
-  Adam adam(params.parameters(), options.adam,
-            options.layer_scaled_lr ? layer_lr_scales(params) : std::vector<double>{});
+  const bool per_layer = options.layer_scaled_lr && !options.channel_scaled_lr;
+  const bool per_channel = options.layer_scaled_lr && options.channel_scaled_lr;
+  Adam adam(params.parameters(), options.adam, per_layer ? layer_lr_scales(params) : std::vector<double>{},
+            per_channel ? channel_lr_scales(params) : std::vector<at::Tensor>{});
   if (options.resume) load_checkpoint(options.checkpoint_path, params, adam);
 
   const int64_t n = data.size();

@@ -124,6 +124,11 @@ class TrainConfig:
     Screened on 2026-11-23 (benchmarks/README.md, "Each layer's own learning rate"): held-out
     mean 0.61 against 0.54 over three seeds (better on 5 of 6 runs); even on the tuning
     documents (0.52 both ways, better on 3 of 4 runs)."""
+    channel_scaled_lr: bool = False
+    """With layer_scaled_lr, finer: each channel of the keys (values), a layer's head and
+    dimension, steps at lr × its initial RMS over the tokens / the RMS of all the cartridge's keys
+    (values). Within a head, SmolLM2's key dimensions differ in size 16x (the median head; 5-46x),
+    its value dimensions 3x (1.5-15x). No effect without layer_scaled_lr."""
     loss_weighting: str = "step"
     """How a step's loss is averaged over its conversations' answer tokens. "step": the step's
     mean per token, so within a step a recall answer (128 tokens) outweighs a cloze answer (a
