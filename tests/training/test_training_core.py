@@ -109,7 +109,7 @@ def test_train_options_carry_the_config():
     assert got == (0.03, 2.0, 3, 5, 2, False, 0.2, False, True, "row", 7)
     defaults = train_options(TrainConfig())
     assert (defaults.cosine, defaults.warmup, defaults.layer_scaled_lr, defaults.channel_scaled_lr,
-            defaults.weighting) == (True, 0.0, True, False, "step")
+            defaults.weighting) == (True, 0.0, True, True, "step")
 
 
 def test_adam_refuses_bad_lr_scales():

@@ -45,7 +45,8 @@ class TrainConfig:
     document recovered 0.55 on the held-out documents over two seeds, against 0.49 at 256;
     end to end with fresh synthesis over three seeds, 0.54 (0.61 since layer_scaled_lr)."""
     num_frozen: int = 1
-    """Leading tokens never trained (the attention sink)."""
+    """Leading tokens never trained (the attention sink). Keeping more of the initialization
+    (80 tokens, screened on 2026-11-24) lowered three of four runs."""
     init: str = "corpus"
     """"corpus": the KV cache of the first num_tokens tokens of the corpus; "spread": of
     num_tokens corpus tokens taken as 8 evenly spaced runs from all over it; "text": of an
@@ -107,7 +108,9 @@ class TrainConfig:
     warmup: float = 0.0
     """Share of the run's optimizer steps over which the learning rate rises linearly to lr
     (from lr / W at the first of its W steps). Adam's first steps move every value by about the
-    full lr whatever the gradient's noise. 0: none."""
+    full lr whatever the gradient's noise. 0: none. At 0.1, screened on 2026-11-24 on the two
+    runs nearest their initializations (benchmarks/README.md, "Each channel's own learning
+    rate"): one rose, the other fell 0.11, below its initialization; not the default."""
     anchor: float = 0.0
     """Pull toward the initialization: after each optimizer step every trained KV value moves
     lr × anchor of the way back to where it started (0: none). No gain in the screen of
@@ -124,11 +127,14 @@ class TrainConfig:
     Screened on 2026-11-23 (benchmarks/README.md, "Each layer's own learning rate"): held-out
     mean 0.61 against 0.54 over three seeds (better on 5 of 6 runs); even on the tuning
     documents (0.52 both ways, better on 3 of 4 runs)."""
-    channel_scaled_lr: bool = False
+    channel_scaled_lr: bool = True
     """With layer_scaled_lr, finer: each channel of the keys (values), a layer's head and
     dimension, steps at lr × its initial RMS over the tokens / the RMS of all the cartridge's keys
     (values). Within a head, SmolLM2's key dimensions differ in size 16x (the median head; 5-46x),
-    its value dimensions 3x (1.5-15x). No effect without layer_scaled_lr."""
+    its value dimensions 3x (1.5-15x). No effect without layer_scaled_lr. Screened on 2026-11-24 (benchmarks/README.md, "Each
+    channel's own learning rate"): on the tuning documents 0.55 against 0.52 per layer (better
+    on 4 of 4 runs, the report's seed 1 above its initialization), on the held-out documents
+    0.60 against 0.61; every one of the ten runs above its initialization."""
     loss_weighting: str = "step"
     """How a step's loss is averaged over its conversations' answer tokens. "step": the step's
     mean per token, so within a step a recall answer (128 tokens) outweighs a cloze answer (a
