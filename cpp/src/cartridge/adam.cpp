@@ -26,8 +26,8 @@ Adam::Adam(std::vector<at::Tensor> params, AdamOptions options, std::vector<doub
     for (int64_t d = 0; broadcasts && d < c.dim(); ++d) {
       broadcasts = c.size(d) == 1 || c.size(d) == params_[i].size(d);
     }
-    TORCH_CHECK(broadcasts, "Adam: channel scale ", i, " of shape ", c.sizes(), " does not broadcast to its parameter's ",
-                params_[i].sizes());
+    TORCH_CHECK(broadcasts, "Adam: channel scale ", i, " of shape ", c.sizes(),
+                " does not broadcast to its parameter's ", params_[i].sizes());
     TORCH_CHECK(c.isfinite().all().item<bool>() && (c >= 0).all().item<bool>(),
                 "Adam: channel scales must be finite and >= 0");
     c = c.detach().to(params_[i].options());

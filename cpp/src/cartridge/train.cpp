@@ -155,21 +155,29 @@ bool load_checkpoint(const std::string& path, CartridgeParams& params, Adam& ada
   return true;
 }
 
+namespace {
+
+// The RMS of every element of `group` (all layers' keys, or all values), in double.
+double group_rms(const std::vector<at::Tensor>& group, const char* caller) {
+  double total_sq = 0.0, total_n = 0.0;
+  for (const auto& t : group) {
+    total_sq += t.detach().to(at::kDouble).square().sum().item<double>();
+    total_n += static_cast<double>(t.numel());
+  }
+  const double rms = std::sqrt(total_sq / std::max(total_n, 1.0));
+  TORCH_CHECK(rms > 0, caller, ": the cartridge's keys or values are all zero");
+  return rms;
+}
+
+}  // namespace
+
 std::vector<double> layer_lr_scales(const CartridgeParams& params) {
   at::NoGradGuard no_grad;
   std::vector<double> scales;
   for (const auto* group : {&params.trainable_keys, &params.trainable_values}) {
-    std::vector<double> sum_sq;
-    double total_sq = 0.0, total_n = 0.0;
+    const double rms = group_rms(*group, "layer_lr_scales");
     for (const auto& t : *group) {
-      sum_sq.push_back(t.to(at::kDouble).square().sum().item<double>());
-      total_sq += sum_sq.back();
-      total_n += static_cast<double>(t.numel());
-    }
-    const double group_rms = std::sqrt(total_sq / std::max(total_n, 1.0));
-    TORCH_CHECK(group_rms > 0, "layer_lr_scales: the cartridge's keys or values are all zero");
-    for (size_t l = 0; l < group->size(); ++l) {
-      scales.push_back(std::sqrt(sum_sq[l] / std::max<double>((*group)[l].numel(), 1.0)) / group_rms);
+      scales.push_back(t.detach().to(at::kDouble).square().mean().sqrt().item<double>() / rms);
     }
   }
   return scales;
@@ -179,16 +187,10 @@ std::vector<at::Tensor> channel_lr_scales(const CartridgeParams& params) {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> scales;
   for (const auto* group : {&params.trainable_keys, &params.trainable_values}) {
-    double total_sq = 0.0, total_n = 0.0;
+    const double rms = group_rms(*group, "channel_lr_scales");
     for (const auto& t : *group) {
-      total_sq += t.to(at::kDouble).square().sum().item<double>();
-      total_n += static_cast<double>(t.numel());
-    }
-    const double group_rms = std::sqrt(total_sq / std::max(total_n, 1.0));
-    TORCH_CHECK(group_rms > 0, "channel_lr_scales: the cartridge's keys or values are all zero");
-    for (const auto& t : *group) {
-      scales.push_back(t.detach().to(at::kDouble).square().mean({1}, /*keepdim=*/true).sqrt().div(group_rms)
-                           .to(at::kFloat));
+      // [H_kv, T, D] -> [H_kv, 1, D]: each channel's RMS over the tokens.
+      scales.push_back(t.detach().to(at::kDouble).square().mean({1}, /*keepdim=*/true).sqrt().div(rms).to(at::kFloat));
     }
   }
   return scales;
