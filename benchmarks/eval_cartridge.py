@@ -70,8 +70,9 @@ QUICK_CONFIG = dict(num_samples=16, synthesis_batch_size=8, chunk_tokens=256,
                     max_question_tokens=32, max_answer_tokens=48, epochs=1, batch_size=4)
 QUICK_QUESTIONS = 10
 # TrainConfig fields that change training but not synthesis.
-TRAINING_ONLY_FIELDS = {"lr", "anchor", "epochs", "batch_size", "grad_accum", "cosine", "warmup", "layer_scaled_lr", "channel_scaled_lr",
-                        "loss_weighting", "checkpoint_every", "companion_every", "num_frozen", "init", "num_tokens"}
+TRAINING_ONLY_FIELDS = {"lr", "anchor", "epochs", "batch_size", "grad_accum", "cosine", "warmup", "layer_scaled_lr",
+                        "channel_scaled_lr", "loss_weighting", "checkpoint_every", "companion_every", "num_frozen",
+                        "init", "num_tokens"}
 
 
 # -- documents ------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ class TrainConfig:
     None: an eighth of the corpus, in multiples of 16, at least 64 and at most 2048
     (`default_num_tokens`). Screened on 2026-11-23 (benchmarks/README.md): an eighth of the
     document recovered 0.55 on the held-out documents over two seeds, against 0.49 at 256;
-    end to end with fresh synthesis over three seeds, 0.54 (0.61 since layer_scaled_lr)."""
+    end to end with fresh synthesis over three seeds, 0.54 (0.61 since layer_scaled_lr, 0.60
+    with channel_scaled_lr)."""
     num_frozen: int = 1
     """Leading tokens never trained (the attention sink). Keeping more of the initialization
     (80 tokens, screened on 2026-11-24) lowered three of four runs."""
@@ -84,8 +85,9 @@ class TrainConfig:
     max_question_tokens: int = 48
     """The longest message "A" writes, in tokens."""
     max_answer_tokens: int = 128
-    """The longest answer "B" writes, in tokens. Longer answers are cut here; an answer that ends in a loop (the same words over and over,
-    which small models fall into) is cut where the loop starts."""
+    """The longest answer "B" writes, in tokens. Longer answers are cut here; an answer that
+    ends in a loop (the same words over and over, which small models fall into) is cut where
+    the loop starts."""
     top_k: int = 20
     """Teacher log-probabilities kept per answer token."""
     quality_samples: int | None = None
@@ -116,8 +118,8 @@ class TrainConfig:
     lr × anchor of the way back to where it started (0: none). No gain in the screen of
     2026-11-23 (benchmarks/README.md, "Anchoring training to the initialization"): it pulls
     every run toward its initialization, lifting the manual's failing seed above it (anchor 2)
-    but lowering most good runs; held-out mean 0.54 at anchor 1 (as without it), 0.49 at 2; screened
-    before layer_scaled_lr, with one lr for all layers."""
+    but lowering most good runs; held-out mean 0.54 at anchor 1 (as without it), 0.49 at 2;
+    screened before layer_scaled_lr, with one lr for all layers."""
     layer_scaled_lr: bool = True
     """Each layer's keys (and values) step at lr × their initial RMS / the RMS of all the
     cartridge's keys (values), so every layer moves by the same share of its size. With one lr
@@ -131,10 +133,11 @@ class TrainConfig:
     """With layer_scaled_lr, finer: each channel of the keys (values), a layer's head and
     dimension, steps at lr × its initial RMS over the tokens / the RMS of all the cartridge's keys
     (values). Within a head, SmolLM2's key dimensions differ in size 16x (the median head; 5-46x),
-    its value dimensions 3x (1.5-15x). No effect without layer_scaled_lr. Screened on 2026-11-24 (benchmarks/README.md, "Each
-    channel's own learning rate"): on the tuning documents 0.55 against 0.52 per layer (better
-    on 4 of 4 runs, the report's seed 1 above its initialization), on the held-out documents
-    0.60 against 0.61; every one of the ten runs above its initialization."""
+    its value dimensions 3x (1.5-15x). No effect without layer_scaled_lr. Screened on
+    2026-11-24 (benchmarks/README.md, "Each channel's own learning rate"): on the tuning
+    documents 0.55 against 0.52 per layer (better on 4 of 4 runs, the report's seed 1 above its
+    initialization), on the held-out documents 0.60 against 0.61; all twelve runs (four
+    documents, three seeds) above their initializations."""
     loss_weighting: str = "step"
     """How a step's loss is averaged over its conversations' answer tokens. "step": the step's
     mean per token, so within a step a recall answer (128 tokens) outweighs a cloze answer (a
