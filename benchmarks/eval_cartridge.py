@@ -35,13 +35,10 @@ training again, and an interrupted training resumes from its checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
 import math
-import os
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -51,13 +48,11 @@ from typing import Any
 import torch
 
 import cartridges
-import cartridges_core
-from cartridges.jobs.config import field_types
 from cartridges.cartridge import Cartridge
 from cartridges.selfstudy import Corpus, TrainConfig
-from cartridges.selfstudy.prompts import SYSTEM_PROMPT
-from cartridges.models.tokenizer import common_prefix_len
 from cartridges.training import init_params
+from evaluation import (Condition, Question, check_question, document_prompt, evaluate, for_text, get_cartridge,
+                        kv_bytes_per_token, parse_overrides, recovered, suite_arguments, truncated_document)
 
 DOCS_DIR = Path(__file__).resolve().parent / "eval_docs"
 ALL_DOCS = ("handbook", "report", "narrative", "manual")
@@ -69,21 +64,9 @@ CONDITIONS = ("none", "in_context", "truncated", "init", "cartridge")
 QUICK_CONFIG = dict(num_samples=16, synthesis_batch_size=8, chunk_tokens=256,
                     max_question_tokens=32, max_answer_tokens=48, epochs=1, batch_size=4)
 QUICK_QUESTIONS = 10
-# TrainConfig fields that change training but not synthesis.
-TRAINING_ONLY_FIELDS = {"lr", "anchor", "epochs", "batch_size", "grad_accum", "cosine", "warmup", "layer_scaled_lr",
-                        "channel_scaled_lr", "loss_weighting", "checkpoint_every", "companion_every", "num_frozen",
-                        "init", "num_tokens"}
 
 
 # -- documents ------------------------------------------------------------------------------
-
-@dataclass
-class Question:
-    question: str
-    answer: str  # short gold string: scored as the reply's first tokens, searched in the reply
-    kind: str
-    aliases: tuple[str, ...] = ()  # other spellings the contains-match accepts ("1,150" / "1150")
-
 
 @dataclass
 class Document:
@@ -97,12 +80,7 @@ def load_document(name: str, docs_dir: Path = DOCS_DIR) -> Document:
     raw = json.loads((docs_dir / f"{name}.questions.json").read_text())
     questions = [Question(q["question"], q["answer"], q["kind"], tuple(q.get("aliases", ()))) for q in raw]
     for q in questions:
-        if q.kind not in KINDS:
-            raise ValueError(f"{name}: unknown kind {q.kind!r} for {q.question!r}")
-        if q.kind == "yes_no" and q.answer not in ("Yes", "No"):
-            raise ValueError(f"{name}: a yes_no answer is 'Yes' or 'No', got {q.answer!r}")
-        if q.kind == "literal" and not any(normalize(a) in normalize(text) for a in (q.answer, *q.aliases)):
-            raise ValueError(f"{name}: the literal answer {q.answer!r} is not in the document")
+        check_question(name, q, text, KINDS)
     return Document(name, text, questions)
 
 
@@ -117,167 +95,6 @@ def select_questions(questions: list[Question], n: int) -> list[Question]:
             if queues[k] and len(picked) < n:
                 picked.append(queues[k].pop(0))
     return [q for q in questions if any(q is p for p in picked)]
-
-
-# -- matching -------------------------------------------------------------------------------
-
-def normalize(text: str) -> str:
-    """Lower case, single spaces, one kind of apostrophe and dash."""
-    text = text.replace("\u2019", "'").replace("\u2013", "-").replace("\u2014", "-")
-    return " ".join(text.lower().split())
-
-
-def contains_match(reply: str, q: Question) -> bool:
-    """Yes/no: the reply's first 'yes' or 'no' is the gold one. Otherwise: the gold string (or an
-    alias) occurs in the reply, a number not as part of a longer number ('4' is not in '40')."""
-    text = normalize(reply)
-    if q.kind == "yes_no":
-        first = re.search(r"\b(yes|no)\b", text)
-        return first is not None and first.group(1) == q.answer.lower()
-    for gold in (q.answer, *q.aliases):
-        gold = normalize(gold)
-        for m in re.finditer(re.escape(gold), text):
-            s, e = m.span()
-            if (s > 0 and gold[0].isdigit() and text[s - 1].isdigit()) or (
-                    e < len(text) and gold[-1].isdigit() and text[e].isdigit()):
-                continue
-            return True
-    return False
-
-
-# -- conditions -----------------------------------------------------------------------------
-
-@dataclass
-class Condition:
-    """What stands before the question: a system prompt (the document, whole or cut) whose KV is
-    computed once and shared, and/or cartridges (KV prefixes) in front."""
-    system: str | None = None
-    prefixes: tuple[Any, ...] = ()
-    composition: str = "mixture"  # of two or more cartridges, as the library and server default
-
-
-def chat_prompts(model, questions: list[Question], system: str | None) -> list[list[int]]:
-    messages = [[{"role": "user", "content": q.question}] for q in questions]
-    if system is not None:
-        messages = [[{"role": "system", "content": system}, *m] for m in messages]
-    return [list(model.tokenizer.encode_chat(m, add_generation_prompt=True)) for m in messages]
-
-
-def system_len(model, system: str, prompts: list[list[int]]) -> int:
-    """Tokens every prompt shares as its system part: the template up to the user's text (two
-    different user texts tell where), or the prompts' common start for a template that differs."""
-    probes = chat_prompts(model, [Question("A", "", "literal"), Question("B", "", "literal")], system)
-    shared = common_prefix_len(probes)
-    if any(p[:shared] != probes[0][:shared] for p in prompts):
-        shared = min(common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
-    return shared
-
-
-def context_prompts(model, questions: list[Question], cond: Condition) -> tuple[list[list[int]], list[Any], int]:
-    """Token ids of each question's prompt after the shared context, the KV prefixes in front of
-    them, and the number of KV tokens of the context (what it costs in memory per request)."""
-    prompts = chat_prompts(model, questions, cond.system)
-    prefixes = list(cond.prefixes)
-    kv_tokens = sum(p.num_tokens for p in prefixes)
-    if cond.system is not None:
-        # The system prompt is the same for every question: its KV is computed once, as a
-        # prefix (the same numbers as prefilling it with each question, a fraction of the time).
-        shared = system_len(model, cond.system, prompts)
-        prefixes.append(model.core.prefix_from_tokens(torch.tensor(prompts[0][:shared], dtype=torch.long)))
-        prompts = [p[shared:] for p in prompts]
-        kv_tokens += shared
-    return prompts, prefixes, kv_tokens
-
-
-def system_kv_tokens(model, system: str) -> int:
-    """KV tokens of a system prompt as context_prompts counts them."""
-    return system_len(model, system, [])
-
-
-def truncated_document(model, text: str, kv_tokens: int) -> tuple[str, int]:
-    """The longest start of the document whose system prompt holds at most `kv_tokens` KV tokens,
-    and the number of document tokens it keeps."""
-    tok = model.tokenizer
-    ids = tok.encode(text)
-    overhead = system_kv_tokens(model, SYSTEM_PROMPT.format(chunk=""))
-    n = max(1, kv_tokens - overhead)
-    while n > 1:
-        cut = tok.decode(ids[:n])
-        if system_kv_tokens(model, SYSTEM_PROMPT.format(chunk=cut)) <= kv_tokens:
-            return cut, n
-        n -= 1
-    return tok.decode(ids[:1]), 1
-
-
-def token_logprobs(model, tokens: list[int], prefixes: list[Any]) -> torch.Tensor:
-    """[T - 1]: log p(tokens[t] | prefixes, tokens[<t]) for t >= 1, the prefixes concatenated."""
-    with torch.no_grad():
-        logits = model.core.forward(torch.tensor([tokens]), prefixes=[prefixes] if prefixes else None)[0]
-    logp = torch.log_softmax(logits[:-1].float(), -1)
-    return logp.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
-
-
-def bayes_mixture(per_cartridge: torch.Tensor, weigh_from: int = 0) -> torch.Tensor:
-    """[C, T] log-probabilities of each token under each cartridge (row t predicts token t + 1)
-    -> [T] under the mixture whose weights are each cartridge's likelihood of the tokens before,
-    from token `weigh_from` on (uniform prior): what the engine samples from when it composes
-    cartridges by mixture."""
-    per_cartridge = per_cartridge.double()
-    counted = per_cartridge.clone()
-    counted[:, :max(weigh_from - 1, 0)] = 0  # rows that predict tokens before weigh_from
-    before = torch.cat([torch.zeros(per_cartridge.shape[0], 1, dtype=torch.float64),
-                        counted.cumsum(1)[:, :-1]], 1)
-    return torch.logsumexp(before + per_cartridge, 0) - torch.logsumexp(before, 0)
-
-
-def answer_logliks(model, prompts: list[list[int]], answers: list[list[int]], prefixes: list[Any],
-                   composition: str = "concatenate") -> list[float]:
-    """Sum of log p(answer tokens | prefixes, prompt) for each pair; several prefixes composed
-    by `composition`."""
-    out = []
-    for prompt, answer in zip(prompts, answers):
-        tokens, at = prompt + answer, slice(len(prompt) - 1, None)  # the positions that predict the answer
-        if composition == "mixture" and len(prefixes) > 1:
-            logp = bayes_mixture(torch.stack([token_logprobs(model, tokens, [p]) for p in prefixes]),
-                                 model.engine.template_opening(prompt))  # as the engine weighs
-        else:
-            logp = token_logprobs(model, tokens, prefixes)
-        out.append(float(logp[at].sum()))
-    return out
-
-
-def evaluate(model, questions: list[Question], cond: Condition, max_reply: int) -> dict:
-    """Log-likelihood of the gold answers and contains-match of greedy replies, overall and by kind."""
-    t0 = time.perf_counter()
-    prompts, prefixes, kv_tokens = context_prompts(model, questions, cond)
-    answers = [model.tokenizer.encode(q.answer) for q in questions]
-    loglik = answer_logliks(model, prompts, answers, prefixes, cond.composition)
-    replies = model.generate(prompts, max_new_tokens=max_reply, prefixes=prefixes or None,
-                             composition=cond.composition)
-    matches = [contains_match(r.text, q) for q, r in zip(questions, replies)]
-
-    def summary(idx: list[int]) -> dict:
-        return {
-            "n": len(idx),
-            "loglik_per_token": sum(loglik[i] for i in idx) / sum(len(answers[i]) for i in idx),
-            "loglik_sum": sum(loglik[i] for i in idx) / len(idx),
-            "match": sum(matches[i] for i in idx) / len(idx),
-        }
-
-    everything = list(range(len(questions)))
-    return {
-        **summary(everything),
-        "by_kind": {k: summary([i for i in everything if questions[i].kind == k])
-                    for k in KINDS if any(q.kind == k for q in questions)},
-        "kv_tokens": kv_tokens,
-        "eval_s": time.perf_counter() - t0,
-        "per_question": [{"loglik": ll, "reply": r.text, "match": m}
-                         for ll, r, m in zip(loglik, replies, matches)],
-    }
-
-
-def recovered(value: float, none: float, full: float) -> float:
-    return (value - none) / (full - none) if full != none else math.nan
 
 
 def add_recovered(conds: dict[str, dict]) -> dict:
@@ -297,69 +114,6 @@ def add_recovered(conds: dict[str, dict]) -> dict:
 
 # -- cartridges -----------------------------------------------------------------------------
 
-def kv_bytes_per_token(model) -> int:
-    c = model.core.config
-    element = torch.empty((), dtype=getattr(torch, model.dtype)).element_size()
-    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * element
-
-
-def cartridge_key(model, doc: Document, config: TrainConfig) -> str:
-    blob = json.dumps([model.fingerprint, doc.text, config.to_dict()], sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:12]
-
-
-def for_document(model, doc: Document, config: TrainConfig) -> TrainConfig:
-    """`config` with what it leaves to the document (cartridge length, conversations) decided as
-    training decides it, so that the baselines and the caches see the same sizes."""
-    return config.for_corpus(len(Corpus.from_texts(model.tokenizer, [doc.text])))
-
-
-def get_cartridge(model, doc: Document, config: TrainConfig, directory: Path) -> tuple[Cartridge, dict]:
-    """The trained cartridge of `doc` under `config`, from `directory` when it was trained before."""
-    config = for_document(model, doc, config)
-    directory.mkdir(parents=True, exist_ok=True)
-    base = directory / f"{doc.name}-{cartridge_key(model, doc, config)}"
-    path, stats_path = base.with_suffix(".safetensors"), base.with_suffix(".json")
-    if path.exists() and stats_path.exists():
-        print(f"[{doc.name}] cartridge from {path}", file=sys.stderr)
-        return Cartridge.load(path, model), {**json.loads(stats_path.read_text()), "cached": True}
-    conversations = config.num_samples
-    checkpoint = base.with_suffix(".ckpt")
-    # Synthesized data is kept apart, under a key of what synthesis depends on: settings that
-    # change training only (lr, epochs, ...) reuse it.
-    synthesis = {k: v for k, v in config.to_dict().items() if k not in TRAINING_ONLY_FIELDS}
-    data_key = hashlib.sha256(json.dumps([model.fingerprint, doc.text, synthesis], sort_keys=True).encode()).hexdigest()[:12]
-    data_path = directory / f"{doc.name}-data-{data_key}.pt"
-    data = held_out = None
-    if data_path.exists():
-        saved = torch.load(data_path, weights_only=True)
-        data = cartridges_core.TrainingData(**saved["data"])
-        held_out = cartridges_core.TrainingData(**saved["held_out"]) if saved["held_out"] else None
-        print(f"[{doc.name}] training on the synthesized data of {data_path}", file=sys.stderr)
-    else:
-        print(f"[{doc.name}] synthesis ({conversations} conversations) and training", file=sys.stderr)
-    cart = cartridges.train(model, [doc.text], config, progress=True, checkpoint=checkpoint, resume=True,
-                            data=data, held_out=held_out)
-    if data is None:
-        def fields_of(d):
-            return {n: getattr(d, n) for n in ("tokens", "lengths", "target_mask", "topk_ids", "topk_logprobs")}
-
-        held = cart.stats["held_out"]
-        torch.save({"data": fields_of(cart.stats["data"]), "held_out": fields_of(held) if held is not None else None,
-                    "synthesis_s": cart.stats["synthesis_s"]}, data_path)
-    else:
-        cart.stats["synthesis_s"] = torch.load(data_path, weights_only=True).get("synthesis_s")
-    cart.save(path)
-    stats = {k: v for k, v in cart.stats.items() if k not in ("data", "held_out")}  # tensors
-    losses = stats.pop("losses")
-    stats.update(loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None,
-                 losses=losses, cached=False)
-    stats_path.write_text(json.dumps(stats, indent=1))
-    for leftover in directory.glob(f"{base.name}.ckpt*"):  # training is done: its checkpoints go
-        leftover.unlink()
-    return cart, stats
-
-
 def baseline_cached(model, doc: Document, questions: list[Question], config: TrainConfig, name: str, args,
                     run) -> dict:
     """`run()`, the figures of condition `name`, kept in --cartridge-dir for the conditions that
@@ -367,7 +121,7 @@ def baseline_cached(model, doc: Document, questions: list[Question], config: Tra
     the questions, the cartridge's size and initialization, and the reply length only."""
     if name == "cartridge":
         return run()
-    blob = json.dumps([model.fingerprint, doc.text, [q.__dict__ for q in questions], name, config.num_tokens,
+    blob = json.dumps([model.fingerprint, doc.text, [q.cache_key() for q in questions], name, config.num_tokens,
                        config.num_frozen, config.init, args.max_reply], sort_keys=True).encode()
     path = args.cartridge_dir / f"{doc.name}-{name}-{hashlib.sha256(blob).hexdigest()[:12]}.json"
     if path.exists():
@@ -379,7 +133,7 @@ def baseline_cached(model, doc: Document, questions: list[Question], config: Tra
 
 
 def init_cartridge(model, doc: Document, config: TrainConfig) -> Cartridge:
-    config = for_document(model, doc, config)
+    config = for_text(model, doc.text, config)
     params = init_params(model, Corpus.from_texts(model.tokenizer, [doc.text]), config)
     return Cartridge.from_params(params, model.fingerprint, config.to_dict())
 
@@ -390,18 +144,18 @@ def evaluate_document(model, doc: Document, config: TrainConfig, args, split: st
                       memo: dict) -> tuple[dict, Cartridge | None]:
     questions = select_questions(doc.questions, args.max_questions)
     per_token = kv_bytes_per_token(model)
-    config = for_document(model, doc, config)
+    config = for_text(model, doc.text, config)
     init = init_cartridge(model, doc, config)
     cut, cut_tokens = truncated_document(model, doc.text, init.num_tokens)
     conditions = {
         "none": Condition(),
-        "in_context": Condition(system=SYSTEM_PROMPT.format(chunk=doc.text)),
-        "truncated": Condition(system=SYSTEM_PROMPT.format(chunk=cut)),
+        "in_context": Condition(system=document_prompt(doc.text)),
+        "truncated": Condition(system=document_prompt(cut)),
         "init": Condition(prefixes=(init.prefix(model),)),
     }
     cart, train_stats = None, {}
     if not args.baselines_only:
-        cart, train_stats = get_cartridge(model, doc, config, args.cartridge_dir)
+        cart, train_stats = get_cartridge(model, doc.name, doc.text, config, args.cartridge_dir)
         conditions["cartridge"] = Condition(prefixes=(cart.prefix(model),))
     results = {}
     for name, cond in conditions.items():
@@ -525,31 +279,6 @@ def check_docs(model, names: list[str]) -> int:
     return 1 if failures else 0
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    types = field_types()
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in types:
-            raise SystemExit(f"--set takes FIELD=VALUE with a TrainConfig field ({', '.join(types)}); got {item!r}")
-        kind, nullable = types[key]
-        if nullable and value.lower() in ("none", "null"):
-            out[key] = None
-        elif kind is bool:
-            out[key] = value.lower() in ("1", "true", "yes", "on")
-        else:
-            out[key] = kind(value)
-    return out
-
-
-def names_list(value: str) -> list[str]:
-    names = [n.strip() for n in value.split(",") if n.strip()]
-    for n in names:
-        if not (DOCS_DIR / f"{n}.md").exists():
-            raise argparse.ArgumentTypeError(f"no document {n!r} in {DOCS_DIR}")
-    return names
-
-
 def print_table(report: dict) -> None:
     """Markdown tables of the figures, as benchmarks/README.md records them."""
     docs = report["documents"]
@@ -593,7 +322,7 @@ def run_suite(model, docs: dict[str, Document], config: TrainConfig, args) -> di
         for name in args.compose:
             inits[name] = init_cartridge(model, docs[name], config)
             if not args.baselines_only and name not in carts:
-                carts[name] = get_cartridge(model, docs[name], config, args.cartridge_dir)[0]
+                carts[name] = get_cartridge(model, docs[name].name, docs[name].text, config, args.cartridge_dir)[0]
         report["composition"] = {"init": compose(model, docs, args.compose, inits, args, "init", memo)}
         if not args.baselines_only:
             report["composition"]["trained"] = compose(model, docs, args.compose, carts, args, "cartridge", memo)
@@ -638,27 +367,15 @@ def across_seeds(reports: dict[int, dict]) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--docs", type=names_list, default=list(ALL_DOCS), help="documents to evaluate (comma-separated)")
-    parser.add_argument("--tune", type=names_list, default=list(DEFAULT_TUNE),
-                        help="the tuning subset (choose settings on these); the others are reported as held out")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                        help="a TrainConfig field for training (repeatable), e.g. --set num_samples=64")
+    parser = suite_arguments(__doc__, DOCS_DIR, ALL_DOCS, DEFAULT_TUNE)
     parser.add_argument("--baselines-only", action="store_true", help="no training: none, in_context, truncated, init")
-    parser.add_argument("--compose", type=names_list, metavar="A,B", help="compose the cartridges of two documents")
+    parser.add_argument("--compose", type=parser.names_list, metavar="A,B", help="compose the cartridges of two documents")
     parser.add_argument("--quick", action="store_true",
                         help=f"smoke run: tiny synthesis and training ({QUICK_CONFIG}), {QUICK_QUESTIONS} questions")
-    parser.add_argument("--cartridge-dir", type=Path, default=Path("benchmarks/.cartridges"),
-                        help="where trained cartridges are kept and reused (default: %(default)s)")
     parser.add_argument("--max-questions", type=int, default=0, help="N questions per document, taken in turn from each kind (0: all)")
-    parser.add_argument("--max-reply", type=int, default=48, help="greedy reply tokens for the contains-match")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads (default: all cores)")
     parser.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], metavar="S,S,...",
                         help="train and evaluate under each of these seeds and report them together (the "
                         "quality figures vary much between seeds at this model size); default: the config's seed")
-    parser.add_argument("--out", metavar="PATH", help="write every figure (and every reply) as JSON here")
-    parser.add_argument("--check-docs", action="store_true",
-                        help="only check the documents (token counts, kinds, literal answers in the text) and exit")
     args = parser.parse_args()
     if args.compose and len(args.compose) != 2:
         parser.error("--compose takes two documents: A,B")
