@@ -14,7 +14,7 @@ import pytest
 from cartridges import Cartridge
 from cartridges.jobs import Supervisor, train_config_from_request
 from cartridges.jobs.supervisor import MAX_ATTEMPTS
-from cartridges.jobs.worker import run_job
+from cartridges.jobs.worker import _training_texts, run_job
 from cartridges.server.storage import core, open_store
 
 from .tiny_hf_model import DOCUMENT, TINY_TRAIN_CONFIG
@@ -63,6 +63,20 @@ def test_a_file_still_processing_is_waited_for(store, tiny_model_dir: Path) -> N
     assert set(quality) >= {"loss", "init_loss", "teacher_floor", "recovered", "better_than_init"}
     store.verify_datablock(owner, run_id)
     assert Cartridge.load(store.datablock_cartridge_path(owner, run_id)).quality == quality
+
+
+def test_several_training_files_are_read_in_order_under_their_names(store) -> None:
+    owner = core().Owner(store.create_user("alice").id, False)
+    ids = []
+    for name, text in (("second.md", "Beta text."), ("first.txt", "Alpha text.")):
+        writer = store.begin_blob()
+        writer.write(text.encode())
+        ids.append(store.create_file(owner, writer, name, "cartridge-training").id)
+        store.set_file_processed(owner, ids[-1], None)
+    block = store.create_datablock(owner, project="default", model="tiny", model_path="unused", training_files=ids,
+                                   config="{}", num_tokens=64)
+    texts = _training_texts(store, owner, block, progress=None)
+    assert texts == ["# second.md\n\nBeta text.", "# first.txt\n\nAlpha text."]
 
 
 def test_a_file_that_fails_processing_fails_the_job(store, tiny_model_dir: Path) -> None:

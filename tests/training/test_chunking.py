@@ -8,7 +8,7 @@ import random
 import pytest
 
 from cartridges.selfstudy import TrainConfig
-from cartridges.selfstudy.chunking import even_spans, plan_views, random_view
+from cartridges.selfstudy.chunking import even_spans, named_texts, plan_views, random_view
 from cartridges.selfstudy.config import default_num_samples, default_num_tokens
 from cartridges.selfstudy.prompts import CLOZE_TEMPLATES, RECALL_TEMPLATES, cloze_message, recall_message
 from cartridges.selfstudy.synthesize import loop_start
@@ -60,6 +60,11 @@ def test_a_corpus_that_fits_is_one_window_the_teacher_reads_whole():
     assert {(v.window.start, v.window.end) for v in views} == {(0, 2_000)}
     # Later rounds shift the chunk boundaries, so that no fact always sits on one.
     assert len({v.chunk for v in views}) > -(-2_000 // 512)
+
+
+def test_several_files_are_joined_in_order_under_their_names():
+    assert named_texts([("only.txt", "Alpha.")]) == ["Alpha."]  # one file reads as it is
+    assert named_texts([("b.md", "Beta."), ("a.txt", "Alpha.")]) == ["# b.md\n\nBeta.", "# a.txt\n\nAlpha."]
 
 
 def test_plan_is_deterministic_in_the_seed():

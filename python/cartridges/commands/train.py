@@ -25,7 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Train a cartridge for one or more text files (.txt, .md, or .pdf) by self-study on the "
         "default model (or --model), and write it as a .safetensors file (or a research .pt with --out X.pt).",
     )
-    parser.add_argument("files", nargs="+", metavar="FILE", help="the corpus: text, markdown or PDF files")
+    parser.add_argument("files", nargs="+", metavar="FILE", help="the corpus: text, markdown or PDF files; several are joined in order, each under "
+                        "its file name as a heading")
     parser.add_argument("--out", required=True, metavar="CART", help="where to write the cartridge")
     add_model_argument(parser)
     parser.add_argument("--checkpoint", metavar="PATH", help="keep training state here (and resume from it)")
@@ -71,12 +72,13 @@ def read_text(path: Path) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ..cartridge import Cartridge
+    from ..selfstudy.chunking import named_texts
     from ..selfstudy.config import TrainConfig
     from ..training import train
 
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in _options()})
     try:
-        texts = [read_text(Path(p)) for p in args.files]
+        texts = named_texts([(Path(p).name, read_text(Path(p))) for p in args.files])
     except OSError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -145,29 +145,32 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> N
 
 
 def _training_texts(store: Any, owner: Any, record: Any, progress: Any) -> list[str]:
-    """The files' extracted texts; a file still being processed is waited for."""
+    """The files' extracted texts, several of them each under its filename as a heading
+    (`named_texts`); a file still being processed is waited for."""
     import cartridges_core as core
 
-    texts = []
+    from ..selfstudy.chunking import named_texts
+
+    files = []
     for file_id in record.training_files:
         while True:
             try:
-                status = store.get_file(owner, file_id).status
+                file = store.get_file(owner, file_id)
             except core.NotFoundError:
                 raise JobFailed("file_not_found", f"training file '{file_id}' was deleted before training") from None
-            if status == "processed":
+            if file.status == "processed":
                 break
-            if status == "error":
+            if file.status == "error":
                 raise JobFailed("file_not_processed", f"training file '{file_id}' could not be processed")
             store.get_datablock(owner, record.run_id)  # NotFoundError once deleted: stop waiting
             time.sleep(FILE_WAIT_POLL_S)
         try:
-            texts.append(store.file_text(owner, file_id))
+            files.append((file.filename, store.file_text(owner, file_id)))
         except core.NotFoundError:
             raise JobFailed("file_not_found", f"training file '{file_id}' was deleted before training") from None
         except core.CorruptError as error:
             raise JobFailed("file_damaged", str(error)) from None
-    return texts
+    return named_texts(files)
 
 
 def int8_activations_from_env(environ: Any = os.environ) -> bool:

@@ -33,6 +33,15 @@ class Corpus:
         return len(self.tokens)
 
 
+def named_texts(files: Sequence[tuple[str, str]]) -> list[str]:
+    """The texts of (name, text) files as one corpus reads them: one file as it is; several, in
+    their order, each under its name as a heading, so that a reader of a passage ("A", the
+    teacher, a user of the cartridge) can tell which file it comes from."""
+    if len(files) == 1:
+        return [files[0][1]]
+    return [f"# {name}\n\n{text}" for name, text in files]
+
+
 @dataclass(frozen=True)
 class Span:
     start: int
