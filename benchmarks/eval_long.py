@@ -1,0 +1,336 @@
+"""Long-corpus evaluation suite: does a cartridge remember every part of a corpus longer than
+the model's context, and does it beat what a user would build instead?
+
+Documents (benchmarks/eval_docs/long/): invented corpora of 12K-60K tokens in sections headed
+"## N. Title", with 5+ questions per section (literal, numeric, paraphrase, yes/no) and
+multi-hop questions that join two distant sections; each question names its section(s).
+Conditions, scored on the same questions by the scorer of eval_cartridge.py (evaluation.py):
+  none                 no context
+  truncation           the corpus' beginning, as much of it as fits in the context
+  retrieval            BM25 (bm25s) over ~300-token chunks, the top 4 in context
+  oracle               the question's own section(s) in context: the upper bound
+  init                 the cartridge's untrained initialization
+  cartridge            the cartridge trained by self-study (TrainConfig's defaults, or --set)
+  cartridge+retrieval  the cartridge in front and the retrieved chunks in the prompt
+"recovered" = (condition - none) / (oracle - none) on log p(gold) per token: overall, per
+section and per question kind, next to the exact-answer rate (the gold in a greedy reply).
+A bar chart per document (one group of bars per section) goes to --plot-dir.
+
+    python benchmarks/eval_long.py --baselines-only              # no training (minutes)
+    python benchmarks/eval_long.py --docs atlas --out atlas.json # trains the atlas' cartridge
+    python benchmarks/eval_long.py --check-docs                  # the documents' rules
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import cartridges
+from cartridges.cartridge import Cartridge
+from cartridges.selfstudy import Corpus, TrainConfig
+from cartridges.training import init_params
+from evaluation import (Condition, Question, check_question, document_prompt, evaluate, evaluate_each, for_text,
+                        get_cartridge, kv_bytes_per_token, parse_overrides, recovered, suite_arguments,
+                        truncated_document)
+
+DOCS_DIR = Path(__file__).resolve().parent / "eval_docs" / "long"
+ALL_DOCS = ("atlas", "chronicle", "rulebook")
+DEFAULT_TUNE = ("atlas", "chronicle")  # the rulebook is held out from every tuning decision
+KINDS = ("literal", "numeric", "paraphrase", "yes_no", "multi_hop")
+CONDITIONS = ("none", "truncation", "retrieval", "oracle", "init", "cartridge", "cartridge+retrieval")
+PLOTTED = ("none", "truncation", "retrieval", "oracle", "cartridge", "cartridge+retrieval")
+RETRIEVAL_CHUNK_TOKENS = 300
+RETRIEVAL_TOP_K = 4
+SECTION_HEADING = re.compile(r"^## (\d+)\. ", re.MULTILINE)
+
+
+@dataclass
+class LongDocument:
+    name: str
+    text: str
+    sections: list[str]  # section n (from 1) is sections[n - 1], its heading included
+    questions: list[Question]
+
+    def section_text(self, numbers: tuple[int, ...]) -> str:
+        return "\n\n".join(self.sections[n - 1] for n in sorted(numbers))
+
+
+def split_sections(text: str) -> list[str]:
+    """The "## N. Title" sections of a document, numbered 1, 2, ... in order."""
+    starts = [m.start() for m in SECTION_HEADING.finditer(text)]
+    numbers = [int(m.group(1)) for m in SECTION_HEADING.finditer(text)]
+    if numbers != list(range(1, len(numbers) + 1)):
+        raise ValueError(f"sections must be numbered 1, 2, ... in order; found {numbers}")
+    return [text[s:e].strip() for s, e in zip(starts, [*starts[1:], len(text)])]
+
+
+def load_document(name: str, docs_dir: Path = DOCS_DIR) -> LongDocument:
+    text = (docs_dir / f"{name}.md").read_text()
+    sections = split_sections(text)
+    questions = []
+    for raw in json.loads((docs_dir / f"{name}.questions.json").read_text()):
+        q = Question(raw["question"], raw["answer"], raw["kind"], tuple(raw.get("aliases", ())),
+                     tuple(raw["sections"]))
+        if not q.sections or any(not 1 <= s <= len(sections) for s in q.sections):
+            raise ValueError(f"{name}: {q.question!r} names sections {q.sections} of {len(sections)}")
+        if (q.kind == "multi_hop") != (len(q.sections) == 2):
+            raise ValueError(f"{name}: a multi_hop question names two sections, any other one: {q.question!r}")
+        check_question(name, q, "\n\n".join(sections[s - 1] for s in q.sections), KINDS)
+        questions.append(q)
+    return LongDocument(name, text, sections, questions)
+
+
+def check_docs(model, names: list[str]) -> int:
+    """The suite's rules: 12K-20K tokens (or 40K-60K), 5+ questions per section, every kind
+    present, multi-hop questions joining sections at least a quarter of the document apart."""
+    failures = 0
+    for name in names:
+        doc = load_document(name)
+        tokens = len(model.tokenizer.encode(doc.text))
+        per_section = [sum(s in q.sections and q.kind != "multi_hop" for q in doc.questions)
+                       for s in range(1, len(doc.sections) + 1)]
+        kinds = {k: sum(q.kind == k for q in doc.questions) for k in KINDS}
+        far = all(abs(q.sections[0] - q.sections[1]) >= len(doc.sections) / 4
+                  for q in doc.questions if q.kind == "multi_hop")
+        ok = (12_000 <= tokens <= 20_000 or 40_000 <= tokens <= 60_000) and min(per_section) >= 5 \
+            and all(kinds.values()) and far
+        failures += not ok
+        print(f"{name}: {tokens} tokens, {len(doc.sections)} sections, {len(doc.questions)} questions {kinds}, "
+              f"{min(per_section)}-{max(per_section)} per section, multi-hop far apart: {far}: "
+              f"{'ok' if ok else 'FAILS the rules'}")
+    return 1 if failures else 0
+
+
+# -- what a user would build instead --------------------------------------------------------
+
+def retrieval_chunks(model, text: str, chunk_tokens: int = RETRIEVAL_CHUNK_TOKENS) -> list[str]:
+    """The corpus cut into chunks of about `chunk_tokens` tokens at paragraph boundaries (a
+    paragraph longer than that is cut by tokens), as a user's text splitter would."""
+    chunks: list[str] = []
+    current: list[str] = []
+    size = 0
+    for paragraph in (p.strip() for p in re.split(r"\n\s*\n", text)):
+        if not paragraph:
+            continue
+        ids = model.tokenizer.encode(paragraph)
+        pieces = [paragraph] if len(ids) <= chunk_tokens else [
+            model.tokenizer.decode(ids[i:i + chunk_tokens]) for i in range(0, len(ids), chunk_tokens)]
+        for piece in pieces:
+            n = len(model.tokenizer.encode(piece))
+            if current and size + n > chunk_tokens:
+                chunks.append("\n\n".join(current))
+                current, size = [], 0
+            current.append(piece)
+            size += n
+    if current:
+        chunks.append("\n\n".join(current))
+    return chunks
+
+
+def retrieve(chunks: list[str], questions: list[Question], k: int = RETRIEVAL_TOP_K) -> list[str]:
+    """Per question, its top-k chunks by BM25 (bm25s, English stop words), best first, joined."""
+    import bm25s
+
+    retriever = bm25s.BM25()
+    retriever.index(bm25s.tokenize(chunks, stopwords="en", show_progress=False), show_progress=False)
+    ids, _ = retriever.retrieve(bm25s.tokenize([q.question for q in questions], stopwords="en", show_progress=False),
+                                k=min(k, len(chunks)), show_progress=False)
+    return ["\n\n".join(chunks[int(i)] for i in row) for row in ids]
+
+
+def truncation_budget(model, questions: list[Question], max_reply: int) -> int:
+    """KV tokens the corpus' beginning may take: the context less the longest question's prompt
+    and the reply."""
+    longest = max(len(model.tokenizer.encode_chat([{"role": "user", "content": q.question}],
+                                                  add_generation_prompt=True)) for q in questions)
+    return model.context_length - longest - max_reply
+
+
+# -- the suite ------------------------------------------------------------------------------
+
+def by_section(doc: LongDocument, questions: list[Question], result: dict) -> dict[int, dict]:
+    """Per section asked about, the figures of its own questions (multi-hop ones count for both
+    sections)."""
+    out = {}
+    for s in range(1, len(doc.sections) + 1):
+        idx = [i for i, q in enumerate(questions) if s in q.sections]
+        if not idx:
+            continue
+        pq = result["per_question"]
+        out[s] = {"n": len(idx),
+                  "loglik_per_token": sum(pq[i]["loglik"] for i in idx) / sum(pq[i]["answer_tokens"] for i in idx),
+                  "match": sum(pq[i]["match"] for i in idx) / len(idx)}
+    return out
+
+
+def recovered_table(results: dict[str, dict], sections: dict[str, dict[int, dict]]) -> dict[str, dict]:
+    """(condition - none) / (oracle - none) per token: overall, by kind and by section."""
+    none, oracle = results["none"], results["oracle"]
+    out = {}
+    for name, r in results.items():
+        if name in ("none", "oracle"):
+            continue
+        out[name] = {
+            "all": recovered(r["loglik_per_token"], none["loglik_per_token"], oracle["loglik_per_token"]),
+            "by_kind": {k: recovered(v["loglik_per_token"], none["by_kind"][k]["loglik_per_token"],
+                                     oracle["by_kind"][k]["loglik_per_token"]) for k, v in r["by_kind"].items()},
+            "by_section": {s: recovered(v["loglik_per_token"], sections["none"][s]["loglik_per_token"],
+                                        sections["oracle"][s]["loglik_per_token"])
+                           for s, v in sections[name].items()},
+        }
+    return out
+
+
+def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split: str) -> dict[str, Any]:
+    questions = doc.questions[:args.max_questions] if args.max_questions else doc.questions
+    config = for_text(model, doc.text, config)
+    corpus_tokens = len(Corpus.from_texts(model.tokenizer, [doc.text]))
+    cut, cut_tokens = truncated_document(model, doc.text, truncation_budget(model, questions, args.max_reply))
+    retrieved = retrieve(retrieval_chunks(model, doc.text), questions)
+    init = Cartridge.from_params(init_params(model, Corpus.from_texts(model.tokenizer, [doc.text]), config),
+                                 model.fingerprint, config.to_dict())
+    runs = {
+        "none": lambda: evaluate(model, questions, Condition(), args.max_reply),
+        "truncation": lambda: evaluate(model, questions, Condition(system=document_prompt(cut)), args.max_reply),
+        "retrieval": lambda: evaluate_each(model, questions, [Condition(system=document_prompt(r)) for r in retrieved],
+                                           args.max_reply),
+        "oracle": lambda: evaluate_each(
+            model, questions, [Condition(system=document_prompt(doc.section_text(q.sections))) for q in questions],
+            args.max_reply),
+        "init": lambda: evaluate(model, questions, Condition(prefixes=(init.prefix(model),)), args.max_reply),
+    }
+    train_stats: dict[str, Any] = {}
+    cart = init
+    if not args.baselines_only:
+        cart, train_stats = get_cartridge(model, doc.name, doc.text, config, args.cartridge_dir)
+        prefix = cart.prefix(model)
+        runs["cartridge"] = lambda: evaluate(model, questions, Condition(prefixes=(prefix,)), args.max_reply)
+        runs["cartridge+retrieval"] = lambda: evaluate_each(
+            model, questions, [Condition(system=document_prompt(r), prefixes=(prefix,)) for r in retrieved],
+            args.max_reply)
+    results, sections = {}, {}
+    for name, run in runs.items():
+        results[name] = run()
+        sections[name] = by_section(doc, questions, results[name])
+        r = results[name]
+        print(f"[{doc.name}] {name:19s} loglik/token {r['loglik_per_token']:7.3f}  match {r['match']:.3f}  "
+              f"kv {r['kv_tokens']:7.0f} tokens  ({r['eval_s']:.0f} s)", file=sys.stderr)
+    per_token = kv_bytes_per_token(model)
+    return {
+        "split": split,
+        "corpus_tokens": corpus_tokens,
+        "sections": len(doc.sections),
+        "section_titles": [s.splitlines()[0][3:] for s in doc.sections],
+        "questions": len(questions),
+        "kinds": {k: sum(q.kind == k for q in questions) for k in KINDS},
+        "truncation_document_tokens": cut_tokens,
+        "truncation_reaches_section": max(s for s in range(1, len(doc.sections) + 1)
+                                          if doc.sections[s - 1].splitlines()[0] in cut),
+        "kv": {"corpus_bytes": corpus_tokens * per_token, "cartridge_tokens": cart.num_tokens,
+               "cartridge_bytes": cart.nbytes, "ratio": corpus_tokens * per_token / cart.nbytes},
+        "config": config.to_dict(),
+        "synthesis_s": train_stats.get("synthesis_s"),
+        "training_s": train_stats.get("training_s"),
+        "train_stats": train_stats,
+        "conditions": {name: {k: v for k, v in r.items() if k != "per_question"} for name, r in results.items()},
+        "by_section": sections,
+        "recovered": recovered_table(results, sections),
+        "per_question": [{"question": q.question, "answer": q.answer, "kind": q.kind, "sections": q.sections,
+                          **{name: r["per_question"][i] for name, r in results.items()}}
+                         for i, q in enumerate(questions)],
+    }
+
+
+def print_tables(name: str, d: dict) -> None:
+    """Markdown tables of one document: overall, by kind, by section."""
+    conds = list(d["conditions"])
+    print(f"\n### {name} ({d['split']}): {d['corpus_tokens']} tokens, {d['sections']} sections, "
+          f"{d['questions']} questions; truncation keeps {d['truncation_document_tokens']} tokens "
+          f"(to section {d['truncation_reaches_section']}); cartridge {d['kv']['cartridge_tokens']} tokens, "
+          f"{d['kv']['ratio']:.1f}x less KV than the corpus\n")
+    print("| condition | log p/token | exact answers | recovered |\n|---|---|---|---|")
+    for c in conds:
+        r = d["conditions"][c]
+        rec = d["recovered"].get(c, {}).get("all", 0.0 if c == "none" else 1.0)
+        print(f"| {c} | {r['loglik_per_token']:.3f} | {r['match']:.2f} | {rec:.2f} |")
+    rec_conds = [c for c in conds if c in d["recovered"]]
+    print("\n| kind | n | " + " | ".join(f"{c} rec / match" for c in rec_conds) + " |")
+    print("|" + "---|" * (2 + len(rec_conds)))
+    for k, n in d["kinds"].items():
+        if n:
+            print(f"| {k} | {n} | " + " | ".join(
+                f"{d['recovered'][c]['by_kind'][k]:.2f} / {d['conditions'][c]['by_kind'][k]['match']:.2f}"
+                for c in rec_conds) + " |")
+    print("\n| section | " + " | ".join(f"{c} rec" for c in rec_conds) + " |")
+    print("|" + "---|" * (1 + len(rec_conds)))
+    for s in d["by_section"]["none"]:
+        print(f"| {s} | " + " | ".join(f"{d['recovered'][c]['by_section'][s]:.2f}" for c in rec_conds) + " |")
+
+
+def plot(name: str, d: dict, directory: Path) -> Path:
+    """Bars per section: log p(gold) per token (above) and the exact-answer rate (below)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    conds = [c for c in PLOTTED if c in d["conditions"]]
+    sections = list(d["by_section"]["none"])
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.55 * len(sections) * len(conds) / 3), 7), sharex=True)
+    width = 0.8 / len(conds)
+    for j, c in enumerate(conds):
+        xs = [i + (j - (len(conds) - 1) / 2) * width for i in range(len(sections))]
+        axes[0].bar(xs, [d["by_section"][c][s]["loglik_per_token"] for s in sections], width, label=c)
+        axes[1].bar(xs, [d["by_section"][c][s]["match"] for s in sections], width, label=c)
+    reach = d["truncation_reaches_section"]
+    for ax in axes:  # where the corpus' beginning that fits in the context ends
+        ax.axvline(sum(s <= reach for s in sections) - 0.5, color="grey", linestyle="--", linewidth=1)
+    axes[0].set_ylabel("log p(gold) per token")
+    axes[1].set_ylabel("exact answers")
+    axes[1].set_xticks(range(len(sections)), [str(s) for s in sections])
+    axes[1].set_xlabel(f"section (dashed: the end of what truncation keeps, in section {reach})")
+    axes[0].set_title(f"{name}: {d['corpus_tokens']} tokens, {d['questions']} questions ({d['split']})", pad=28)
+    axes[0].legend(ncol=len(conds), fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    fig.tight_layout()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"eval_long_{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main() -> int:
+    parser = suite_arguments(__doc__, DOCS_DIR, ALL_DOCS, DEFAULT_TUNE)
+    parser.add_argument("--baselines-only", action="store_true",
+                        help="no training: none, truncation, retrieval, oracle, init")
+    parser.add_argument("--max-questions", type=int, default=0, help="the first N questions per document (0: all)")
+    parser.add_argument("--plot-dir", type=Path, default=Path("docs/images"), help="where the bar charts go")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)  # before the engine starts: its compute thread follows it
+    model = cartridges.load_model()
+    if args.check_docs:
+        return check_docs(model, args.docs)
+    config = TrainConfig(**parse_overrides(args.overrides))
+    t0 = time.perf_counter()
+    report: dict[str, Any] = {"model": model.name, "threads": args.threads, "baselines_only": args.baselines_only,
+                              "tune": args.tune, "documents": {}}
+    for name in args.docs:
+        split = "tune" if name in args.tune else "held_out"
+        report["documents"][name] = d = evaluate_document(model, load_document(name), config, args, split)
+        print_tables(name, d)
+        print(f"plot: {plot(name, d, args.plot_dir)}", file=sys.stderr)
+        if args.out:  # after every document: a long run keeps what it has
+            Path(args.out).write_text(json.dumps({**report, "wall_s": time.perf_counter() - t0}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
