@@ -23,6 +23,7 @@ A bar chart per document (one group of bars per section) goes to --plot-dir.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sys
@@ -189,6 +190,22 @@ def recovered_table(results: dict[str, dict], sections: dict[str, dict[int, dict
     return out
 
 
+def cached(model, doc: LongDocument, questions: list[Question], config: TrainConfig, name: str, args, run) -> dict:
+    """`run()`, the figures of a condition that does not depend on training, kept in
+    --cartridge-dir under a key of what it depends on: the model, the corpus, the questions,
+    the reply length and, for init, the cartridge's length and initialization."""
+    init = [config.num_tokens, config.num_frozen, config.init] if name == "init" else None
+    blob = json.dumps([model.fingerprint, doc.text, [q.cache_key() for q in questions], name, init, args.max_reply,
+                       RETRIEVAL_CHUNK_TOKENS, RETRIEVAL_TOP_K], sort_keys=True).encode()
+    path = args.cartridge_dir / f"long-{doc.name}-{name}-{hashlib.sha256(blob).hexdigest()[:12]}.json"
+    if path.exists():
+        return {**json.loads(path.read_text()), "cached": True}
+    result = run()
+    args.cartridge_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result))
+    return result
+
+
 def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split: str) -> dict[str, Any]:
     questions = doc.questions[:args.max_questions] if args.max_questions else doc.questions
     config = for_text(model, doc.text, config)
@@ -218,7 +235,9 @@ def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split
             args.max_reply)
     results, sections = {}, {}
     for name, run in runs.items():
-        results[name] = run()
+        if name not in args.conditions and name not in ("none", "oracle"):  # those two: what recovered needs
+            continue
+        results[name] = run() if name.startswith("cartridge") else cached(model, doc, questions, config, name, args, run)
         sections[name] = by_section(doc, questions, results[name])
         r = results[name]
         print(f"[{doc.name}] {name:19s} loglik/token {r['loglik_per_token']:7.3f}  match {r['match']:.3f}  "
@@ -311,6 +330,9 @@ def main() -> int:
     parser.add_argument("--baselines-only", action="store_true",
                         help="no training: none, truncation, retrieval, oracle, init")
     parser.add_argument("--max-questions", type=int, default=0, help="the first N questions per document (0: all)")
+    parser.add_argument("--conditions", type=lambda v: [c.strip() for c in v.split(",")], default=list(CONDITIONS),
+                        metavar="A,B,...", help=f"the conditions to run, of {', '.join(CONDITIONS)} (none and oracle "
+                        "always run)")
     parser.add_argument("--plot-dir", type=Path, default=Path("docs/images"), help="where the bar charts go")
     args = parser.parse_args()
 
