@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -18,6 +18,7 @@ from .quality import copy_params, quality_report
 from .selfstudy import Corpus, TrainConfig, next_token_data, synthesize, training_data
 from .selfstudy.checkpoint import load_conversations, save_conversations
 from .selfstudy.prompts import UNRELATED_TEXT
+from .selfstudy.synthesize import signal_by_part
 
 
 def unrelated_tokens(model: Any, n: int) -> list[int]:
@@ -94,6 +95,12 @@ def prepare_data(
     return prepare_datasets(model, corpus, config, prefix_tokens, on_progress, **checkpointing)[0]
 
 
+class Datasets(NamedTuple):
+    data: cartridges_core.TrainingData
+    held_out: cartridges_core.TrainingData | None
+    signal_by_part: list[float] | None  # `synthesize.signal_by_part` of the training conversations
+
+
 def prepare_datasets(
     model: Any,
     corpus: Corpus,
@@ -104,9 +111,10 @@ def prepare_datasets(
     synthesis_checkpoint: Path | None = None,
     resume: bool = False,
     cancel: cartridges_core.CancelToken | None = None,
-) -> tuple[cartridges_core.TrainingData, cartridges_core.TrainingData | None]:
+) -> Datasets:
     """The training data for `config.objective`: self-study conversations with the teacher's
-    top-k (distill), or windows of the corpus (next_token); and the held-out data of the
+    top-k (distill), or windows of the corpus (next_token); where in the corpus the training
+    signal comes from (the share per tenth; None for next_token); and the held-out data of the
     quality report: `config.quality_samples` more conversations made in the same synthesis
     run from their own random stream, never trained on (None when quality_samples is 0 or the
     objective is next_token). With `synthesis_checkpoint`, the conversations so far (training
@@ -138,8 +146,9 @@ def prepare_datasets(
                 held_out = training_data(model, held_part, prefix_tokens)
             except ValueError:  # none fits the context next to the cartridge: no report
                 held_out = None
-        return training_data(model, train_part, prefix_tokens), held_out
-    return next_token_data(corpus, config, core_model(model).config.max_position_embeddings), None
+        return Datasets(training_data(model, train_part, prefix_tokens), held_out,
+                        signal_by_part(train_part, len(corpus)))
+    return Datasets(next_token_data(corpus, config, core_model(model).config.max_position_embeddings), None, None)
 
 
 _DATA_FIELDS = ("tokens", "lengths", "target_mask", "topk_ids", "topk_logprobs")
@@ -219,6 +228,7 @@ def train(
     config = config.for_corpus(len(corpus))  # the cartridge records the number of conversations made
     bar = _Bar(progress, on_progress)
     quality = None
+    signal = None  # unknown for data made elsewhere
     try:
         params = init_params(model, corpus, config)
         data_path = Path(f"{checkpoint}.data.pt") if checkpoint is not None else None
@@ -227,17 +237,22 @@ def train(
         if resume and data_path is not None and data_path.exists():
             saved = torch.load(data_path, weights_only=True)
             held = saved.pop("held_out", None)
+            signal = saved.pop("signal_by_part", None)
+            signal = signal.tolist() if signal is not None else None
             data = cartridges_core.TrainingData(**saved)
             held_out = cartridges_core.TrainingData(**held) if held is not None else None
         elif data is None:
             # Conversations trained behind the companion have both prefixes in front.
             prefix_tokens = params.num_tokens * (2 if companion_fits(core, config, params) else 1)
-            data, held_out = prepare_datasets(model, corpus, config, prefix_tokens, bar.update,
-                                              synthesis_checkpoint=synthesis_path, resume=resume, cancel=cancel)
+            data, held_out, signal = prepare_datasets(model, corpus, config, prefix_tokens, bar.update,
+                                                      synthesis_checkpoint=synthesis_path, resume=resume,
+                                                      cancel=cancel)
         if data_path is not None and not (resume and data_path.exists()):
             saved = _data_dict(data)
             if held_out is not None:
                 saved["held_out"] = _data_dict(held_out)
+            if signal is not None:
+                saved["signal_by_part"] = torch.tensor(signal, dtype=torch.float64)
             tmp = data_path.with_name(data_path.name + ".tmp")
             torch.save(saved, tmp)
             os.replace(tmp, data_path)  # whole or absent: a resume never reads half a file
@@ -278,6 +293,7 @@ def train(
         "training_s": t2 - t1,
         "quality_s": t3 - t2,
         "quality": quality,
+        "signal_by_part": signal,
         "data": data,
         "held_out": held_out,
     }

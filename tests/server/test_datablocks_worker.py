@@ -61,6 +61,8 @@ def test_a_file_still_processing_is_waited_for(store, tiny_model_dir: Path) -> N
     quality = json.loads(record.metrics)["quality"]
     assert quality["held_out_conversations"] == train_config_from_request(TINY_TRAIN_CONFIG).quality_samples
     assert set(quality) >= {"loss", "init_loss", "teacher_floor", "recovered", "better_than_init"}
+    shares = json.loads(record.metrics)["signal_by_part"]  # where in the corpus the training signal came from
+    assert len(shares) == 10 and abs(sum(shares) - 1) < 1e-9
     store.verify_datablock(owner, run_id)
     assert Cartridge.load(store.datablock_cartridge_path(owner, run_id)).quality == quality
 

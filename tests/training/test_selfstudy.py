@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import cartridges_core
-from cartridges.selfstudy import Corpus, Synthesizer, TrainConfig, synthesize, training_data
+from cartridges.selfstudy import Conversation, Corpus, Synthesizer, TrainConfig, synthesize, training_data
+from cartridges.selfstudy.synthesize import signal_by_part
 from cartridges.training import train
 
 from .tiny import tiny_model
@@ -106,6 +107,26 @@ def test_train_is_deterministic_and_reports_progress(model):
     assert stages[:5] == ["synthesis"] * 5 and stages[5:] == ["training"] * 6
     assert [s[1:3] for s in seen[:5]] == [(3, 14), (6, 14), (9, 14), (12, 14), (14, 14)]
     assert seen[-1][1:3] == (6, 6) and seen[-1][3] == pytest.approx(first.stats["losses"][-1])
+
+
+def test_the_training_signal_comes_from_every_part_of_the_corpus(model):
+    corpus_tokens = len(model.tokenizer.encode(TEXT))
+    # 12 batches of 4: one round over the 12 chunks of 60 tokens in windows of 120.
+    config = small_config(num_samples=48, synthesis_batch_size=4, epochs=1, batch_size=8, quality_samples=0)
+    cart = train(model, [TEXT], config, progress=False)
+    shares = cart.stats["signal_by_part"]
+    assert len(shares) == 10 and sum(shares) == pytest.approx(1.0)
+    assert min(shares) > 0.5 / 10 and max(shares) < 2 / 10, shares  # even, give or take answer lengths
+    assert corpus_tokens > 10 * 60  # every tenth is read by some chunk
+
+
+def test_signal_by_part_shares_answer_tokens_out_by_overlap():
+    def conv(span, answer_tokens):
+        return Conversation("question", "", "q", [0] * answer_tokens, torch.zeros(0), torch.zeros(0), "", span)
+
+    shares = signal_by_part([conv((0, 50), 10), conv((50, 100), 30), conv((25, 75), 20)], 100, parts=2)
+    assert shares == pytest.approx([(10 + 10) / 60, (30 + 10) / 60])
+    assert signal_by_part([conv((0, 0), 5)], 100, parts=4) == [0.0] * 4  # no chunk known (old checkpoints)
 
 
 def test_next_token_objective_and_resume(model, tmp_path):

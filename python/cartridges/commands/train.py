@@ -97,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
           f"{stats['num_conversations']} conversations, {stats['steps']} steps, final loss "
           f"{stats['losses'][-1] if stats['losses'] else float('nan'):.4f}; synthesis {stats['synthesis_s']:.0f} s, "
           f"training {stats['training_s']:.0f} s", file=sys.stderr)
+    if stats.get("signal_by_part"):
+        print("training signal by tenth of the corpus: "
+              + " ".join(f"{share:.0%}" for share in stats["signal_by_part"]), file=sys.stderr)
     if stats.get("quality") is not None:
         from ..quality import describe
 

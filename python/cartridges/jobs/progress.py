@@ -16,7 +16,7 @@ MIN_WRITE_INTERVAL_S = 1.0
 
 
 def empty_metrics() -> dict[str, Any]:
-    return {"loss": None, "synthetic_samples": None, "train_tokens": None, "quality": None}
+    return {"loss": None, "synthetic_samples": None, "train_tokens": None, "quality": None, "signal_by_part": None}
 
 
 class JobProgress:

@@ -136,7 +136,7 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> N
     stats = cartridge.stats
     progress.update("saving", stats["steps"], stats["steps"], synthetic_samples=stats["num_conversations"],
                     train_tokens=stats["num_target_tokens"],
-                    loss=stats["losses"][-1] if stats["losses"] else None, quality=stats["quality"])
+                    loss=stats["losses"][-1] if stats["losses"] else None, quality=stats["quality"], signal_by_part=stats["signal_by_part"])
     blob = store.begin_blob()
     blob.write(cartridge.to_bytes())
     final = {"stage": "done", "completed": stats["steps"], "total": stats["steps"], "eta_seconds": 0}

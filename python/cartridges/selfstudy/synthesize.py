@@ -40,6 +40,7 @@ class Conversation:
     topk_ids: torch.Tensor  # [len(answer), K] int64: the teacher's most likely tokens per answer token
     topk_logprobs: torch.Tensor  # [len(answer), K] float32: their log-probabilities
     window: str = ""  # the corpus window B had in context (it holds the chunk)
+    chunk_span: tuple[int, int] = (0, 0)  # the chunk's [start, end) in corpus tokens
 
 
 def slice_prefix(prefix: cartridges_core.KVPrefix, n: int) -> cartridges_core.KVPrefix:
@@ -207,7 +208,26 @@ class Synthesizer:
                                  (window_kv, window_shared))
             for i, (ids, lp) in zip(rows, scored):
                 answers[i] = (written[i], ids, lp)
-        return [Conversation(seeds[i][0], chunk_text, questions[i], *answers[i], window_text) for i in range(n)]
+        span = (view.chunk.start, view.chunk.end)
+        return [Conversation(seeds[i][0], chunk_text, questions[i], *answers[i], window_text, span) for i in range(n)]
+
+
+def signal_by_part(conversations: Sequence[Conversation], corpus_tokens: int, parts: int = 10) -> list[float]:
+    """The share of the conversations' answer tokens (the training signal) that comes from each
+    of `parts` equal parts of the corpus, in order: a conversation's tokens are shared out over
+    the parts its chunk overlaps, by overlap. Even coverage gives 1 / parts each."""
+    weights = [0.0] * parts
+    for c in conversations:
+        start, end = c.chunk_span
+        if end <= start:
+            continue
+        for p in range(parts):
+            lo, hi = corpus_tokens * p / parts, corpus_tokens * (p + 1) / parts
+            overlap = min(end, hi) - max(start, lo)
+            if overlap > 0:
+                weights[p] += len(c.answer) * overlap / (end - start)
+    total = sum(weights)
+    return [w / total for w in weights] if total else weights
 
 
 def loop_start(tokens: Sequence[int], max_period: int = 32, min_run: int = 12) -> int:

@@ -41,6 +41,9 @@ class Metrics(BaseModel):
     synthetic_samples: int | None = None
     train_tokens: int | None = None
     quality: dict[str, Any] | None = None
+    signal_by_part: list[float] | None = Field(
+        default=None, description="Where the training signal came from: the share of the training conversations' "
+        "answer tokens drawn from each tenth of the corpus, in order (0.1 each when even). Set when training ends.")
 
 
 class DatablockError(BaseModel):
