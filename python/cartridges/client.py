@@ -1,4 +1,4 @@
-"""A Python client for what the OpenAI SDK does not cover: datablocks (API.md §2).
+"""A Python client for what the OpenAI SDK does not cover: datablocks (docs/api.md §2).
 
     client = cartridges.Client("http://127.0.0.1:8000", api_key="sk-...")
     block = client.datablocks.train(training_files=[file.id], name="handbook", config={"num_samples": 64})

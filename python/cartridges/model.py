@@ -31,7 +31,7 @@ Prefixes = Sequence[Any]
 
 
 def default_dtype(device: str) -> str:
-    """fp32 on CPU, bf16 on CUDA (DESIGN.md, Numerics)."""
+    """fp32 on CPU, bf16 on CUDA (docs/design.md, Numerics)."""
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 

@@ -1,4 +1,4 @@
-"""Chat completions, models, preload, health, status and metrics (API.md §3–4) on a live server
+"""Chat completions, models, preload, health, status and metrics (docs/api.md §3–4) on a live server
 with a tiny model, through the official openai client: every field, streaming and not;
 exactness against the library; cartridges loaded, composed, isolated and deleted."""
 

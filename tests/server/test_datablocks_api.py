@@ -1,4 +1,4 @@
-"""The datablocks API (API.md §2) on a live server training a tiny model: the official openai
+"""The datablocks API (docs/api.md §2) on a live server training a tiny model: the official openai
 client for files, `cartridges.Client` for datablocks; every bad input; two-user isolation."""
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def test_a_file_still_processing_is_waited_for(store, tiny_model_dir: Path) -> N
     record = store.get_datablock(owner, run_id)
     assert record.status == "succeeded", (record.error_code, record.error_message)
     assert record.fingerprint and record.attempts == 1
-    # The quality report (API.md §2 metrics.quality), also in the stored cartridge's file.
+    # The quality report (docs/api.md §2 metrics.quality), also in the stored cartridge's file.
     quality = json.loads(record.metrics)["quality"]
     assert quality["held_out_conversations"] == train_config_from_request(TINY_TRAIN_CONFIG).quality_samples
     assert set(quality) >= {"loss", "init_loss", "teacher_floor", "recovered", "better_than_init"}

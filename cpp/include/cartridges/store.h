@@ -118,7 +118,7 @@ struct FilePage {
   bool has_more = false;
 };
 
-// A datablock: a cartridge trained by a background job (API.md §2). Its status only moves
+// A datablock: a cartridge trained by a background job (docs/api.md §2). Its status only moves
 // forward: queued → running → succeeded | failed | cancelled (running → running is a resume).
 struct DatablockRecord {
   std::string run_id;      // [a-z0-9]{12}, unique on the server

@@ -1,4 +1,4 @@
-"""Training jobs: datablocks trained in a supervised worker process (DESIGN.md, "Training jobs").
+"""Training jobs: datablocks trained in a supervised worker process (docs/design.md, "Training jobs").
 
 - `config`: the request's `config` → a full `TrainConfig` (unknown fields refused).
 - `worker`: `run_job(run_id, data_dir)`, the worker's entry point, one job per process.

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..selfstudy.config import TrainConfig
 
-# API.md §2 names the learning rate `learning_rate`; TrainConfig calls it `lr`.
+# docs/api.md §2 names the learning rate `learning_rate`; TrainConfig calls it `lr`.
 ALIASES = {"learning_rate": "lr"}
 
 

@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Any
 
-# Stages of API.md §2; the library's "synthesis" is the API's "synthesizing".
+# Stages of docs/api.md §2; the library's "synthesis" is the API's "synthesizing".
 STAGE_NAMES = {"synthesis": "synthesizing", "training": "training"}
 HEARTBEAT_S = 2.0
 MIN_WRITE_INTERVAL_S = 1.0

@@ -1,4 +1,4 @@
-"""Bodies of chat completions, models, preload, health and status (API.md §3–4).
+"""Bodies of chat completions, models, preload, health and status (docs/api.md §3–4).
 
 Chat requests follow OpenAI's: unknown fields are ignored (clients send many), known ones are
 checked, and a bad one is a 400 naming it."""

@@ -1,4 +1,4 @@
-"""Chat completions over the engine (API.md §4): a request becomes a prompt, a list of
+"""Chat completions over the engine (docs/api.md §4): a request becomes a prompt, a list of
 cartridges and sampling options; the engine's streams become a `chat.completion` or a stream
 of `chat.completion.chunk` events."""
 

@@ -1,4 +1,4 @@
-"""Request and response bodies of the datablocks API (API.md §2), as pydantic models."""
+"""Request and response bodies of the datablocks API (docs/api.md §2), as pydantic models."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 DatablockStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 Stage = Literal["queued", "synthesizing", "training", "saving", "done"]
-MAX_TRAINING_FILES = 100  # API.md §5
+MAX_TRAINING_FILES = 100  # docs/api.md §5
 
 
 class TrainRequest(BaseModel):

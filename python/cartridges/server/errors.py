@@ -1,4 +1,4 @@
-"""OpenAI-shaped errors (API.md §0): every error body is
+"""OpenAI-shaped errors (docs/api.md §0): every error body is
 `{"error": {"message", "type", "param", "code"}}`; validation failures are 400, never 422."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""API keys: random, shown once, stored only as SHA-256 hashes (API.md §0)."""
+"""API keys: random, shown once, stored only as SHA-256 hashes (docs/api.md §0)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`GET /metrics` in the Prometheus text format (API.md §3). Labels never carry user or
+"""`GET /metrics` in the Prometheus text format (docs/api.md §3). Labels never carry user or
 object identifiers: requests are counted by route template (`/v1/datablocks/{datablock_id:path}`),
 never by the path a client sent.
 

@@ -1,4 +1,4 @@
-"""Request and response bodies of the API (API.md §1), as pydantic models."""
+"""Request and response bodies of the API (docs/api.md §1), as pydantic models."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The server's model, its engine, and the cartridges loaded into it (API.md §3).
+"""The server's model, its engine, and the cartridges loaded into it (docs/api.md §3).
 
 The model loads on a background thread so that the server answers at once (`/health` says
 `unhealthy` until it is ready). Loaded cartridges live in the engine's cartridge cache, keyed

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 MiB = 1 << 20
-# API.md §5: the largest file an upload may carry.
+# docs/api.md §5: the largest file an upload may carry.
 MAX_UPLOAD_BYTES = 512 * MiB
 
 # Field name → environment variable.

@@ -1,4 +1,4 @@
-"""`POST /v1/chat/completions` (API.md §4): OpenAI's chat completions, with cartridges as context."""
+"""`POST /v1/chat/completions` (docs/api.md §4): OpenAI's chat completions, with cartridges as context."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Datablocks (API.md §2): train a cartridge as a background job, list, retrieve, delete.
+"""Datablocks (docs/api.md §2): train a cartridge as a background job, list, retrieve, delete.
 
 A datablock id is `<owner>/<project>/<run_id>` or the bare run id; the full form holds
 slashes, hence the `:path` converter."""

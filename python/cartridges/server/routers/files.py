@@ -1,4 +1,4 @@
-"""Files (API.md §1): upload, list, retrieve, delete, download."""
+"""Files (docs/api.md §1): upload, list, retrieve, delete, download."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Models, preload, health, status and metrics (API.md §3)."""
+"""Models, preload, health, status and metrics (docs/api.md §3)."""
 
 from __future__ import annotations
 
