@@ -26,6 +26,7 @@ import torch
 import cartridges_core
 
 from .cartridge import Cartridge, core_model
+from .selfstudy.chunking import PARTS
 
 Params = Cartridge | cartridges_core.CartridgeParams
 
@@ -41,17 +42,18 @@ def copy_params(params: cartridges_core.CartridgeParams) -> cartridges_core.Cart
     )
 
 
-def held_out_loss(model: Any, prefix: Params, data: cartridges_core.TrainingData, batch_size: int = 4) -> float:
+def held_out_loss(model: Any, prefix: Params, data: cartridges_core.TrainingData, batch_size: int = 4,
+                  rows: list[int] | None = None) -> float:
     """Mean distillation loss per answer token of `prefix` (a `Cartridge` or trainable
-    `CartridgeParams`) on `data`: the loss training minimizes, without training."""
+    `CartridgeParams`) on `data` (on its `rows`, all by default): the loss training minimizes,
+    without training."""
     core = core_model(model)
     params = _as_params(prefix)
-    n = int(data.tokens.shape[0])
+    rows = list(range(int(data.tokens.shape[0]))) if rows is None else rows
     total, count = 0.0, 0
     with torch.no_grad():
-        for start in range(0, n, max(1, batch_size)):
-            rows = list(range(start, min(start + batch_size, n)))
-            loss_sum, targets = cartridges_core.distillation_loss_sum(core, params, data, rows)
+        for start in range(0, len(rows), max(1, batch_size)):
+            loss_sum, targets = cartridges_core.distillation_loss_sum(core, params, data, rows[start:start + batch_size])
             total += float(loss_sum)
             count += int(targets)
     if count == 0:
@@ -59,7 +61,7 @@ def held_out_loss(model: Any, prefix: Params, data: cartridges_core.TrainingData
     return total / count
 
 
-def teacher_floor(data: cartridges_core.TrainingData) -> float:
+def teacher_floor(data: cartridges_core.TrainingData, rows: list[int] | None = None) -> float:
     """The loss the teacher itself gets: a student whose distribution equals the teacher's has,
     at every answer token, the top-k entropy -sum_k p_k * log p_k (p_k = exp(top-k
     log-probability)); this is its mean over the answer tokens. A student that copies the
@@ -67,11 +69,15 @@ def teacher_floor(data: cartridges_core.TrainingData) -> float:
     only lower value, by at most the log of the mass outside the top k, comes from a student
     that moves that mass into the top k)."""
     lp = data.topk_logprobs.to(torch.float64)
+    if rows is not None:  # the targets are those of every row, in row order
+        ends = data.target_mask.sum(1).cumsum(0).tolist()
+        lp = torch.cat([lp[(ends[r - 1] if r else 0):ends[r]] for r in rows])
     return float(-(lp.exp() * lp).sum(-1).mean())
 
 
 def quality_report(
-    model: Any, trained: Params, init: Params, held_out: cartridges_core.TrainingData, batch_size: int = 4
+    model: Any, trained: Params, init: Params, held_out: cartridges_core.TrainingData, batch_size: int = 4,
+    parts: list[int] | None = None,
 ) -> dict[str, Any]:
     """The quality report (JSON-serializable) of cartridge `trained`, whose training started
     from `init`, on the held-out conversations `held_out`:
@@ -87,24 +93,40 @@ def quality_report(
       init_loss is not above teacher_floor (no gap to close);
     - `better_than_init`: loss < init_loss. False means training did not help on questions it
       did not see: more conversations (num_samples) usually do.
+    - `by_part` (with `parts`, each held-out row's tenth of the corpus): per tenth, in order,
+      the same figures on its own held-out conversations (`held_out_conversations`, `loss`,
+      `init_loss`, `teacher_floor`, `recovered`), or null for a tenth none was drawn from. A
+      part far below the others is a part of the corpus the cartridge did not learn.
 
     A figure that is not finite (a diverged cartridge) is null, and then better_than_init is false.
     """
-    loss = _finite(held_out_loss(model, trained, held_out, batch_size))
-    init_loss = _finite(held_out_loss(model, init, held_out, batch_size))
-    floor = _finite(teacher_floor(held_out))
+    report = {
+        "held_out_conversations": int(held_out.tokens.shape[0]),
+        "held_out_tokens": int(held_out.topk_ids.shape[0]),
+        **_figures(model, trained, init, held_out, batch_size, None),
+    }
+    report["better_than_init"] = (report["loss"] is not None and report["init_loss"] is not None
+                                  and report["loss"] < report["init_loss"])
+    if parts is not None:
+        report["by_part"] = [None] * PARTS
+        for p in range(PARTS):
+            rows = [r for r, q in enumerate(parts) if q == p]
+            if rows:
+                report["by_part"][p] = {"held_out_conversations": len(rows),
+                                        **_figures(model, trained, init, held_out, batch_size, rows)}
+    return report
+
+
+def _figures(model: Any, trained: Params, init: Params, data: cartridges_core.TrainingData, batch_size: int,
+             rows: list[int] | None) -> dict[str, float | None]:
+    """loss, init_loss, teacher_floor and recovered on `rows` of `data` (all by default)."""
+    loss = _finite(held_out_loss(model, trained, data, batch_size, rows))
+    init_loss = _finite(held_out_loss(model, init, data, batch_size, rows))
+    floor = _finite(teacher_floor(data, rows))
     recovered = None
     if None not in (loss, init_loss, floor) and init_loss - floor > 0:
         recovered = _finite((init_loss - loss) / (init_loss - floor))
-    return {
-        "held_out_conversations": int(held_out.tokens.shape[0]),
-        "held_out_tokens": int(held_out.topk_ids.shape[0]),
-        "loss": loss,
-        "init_loss": init_loss,
-        "teacher_floor": floor,
-        "recovered": recovered,
-        "better_than_init": loss is not None and init_loss is not None and loss < init_loss,
-    }
+    return {"loss": loss, "init_loss": init_loss, "teacher_floor": floor, "recovered": recovered}
 
 
 def _finite(x: float) -> float | None:
@@ -123,6 +145,10 @@ def describe(report: dict[str, Any]) -> list[str]:
         f"quality on {report['held_out_conversations']} held-out conversations: loss {num(report['loss'])} "
         f"(untrained {num(report['init_loss'])}, teacher {num(report['teacher_floor'])}); {share}"
     ]
+    if report.get("by_part"):
+        lines.append("gap recovered by tenth of the corpus: " + " ".join(
+            "n/a" if part is None or part["recovered"] is None else f"{part['recovered']:.0%}"
+            for part in report["by_part"]))
     if not report.get("better_than_init"):
         lines.append(
             "WARNING: the cartridge is no better than its untrained initialization on held-out questions; "

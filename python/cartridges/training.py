@@ -18,7 +18,8 @@ from .quality import copy_params, quality_report
 from .selfstudy import Corpus, TrainConfig, next_token_data, synthesize, training_data
 from .selfstudy.checkpoint import load_conversations, save_conversations
 from .selfstudy.prompts import UNRELATED_TEXT
-from .selfstudy.synthesize import signal_by_part
+from .selfstudy.chunking import part_of
+from .selfstudy.synthesize import fitting, signal_by_part
 
 
 def unrelated_tokens(model: Any, n: int) -> list[int]:
@@ -99,6 +100,7 @@ class Datasets(NamedTuple):
     data: cartridges_core.TrainingData
     held_out: cartridges_core.TrainingData | None
     signal_by_part: list[float] | None  # `synthesize.signal_by_part` of the training conversations
+    held_out_parts: list[int] | None  # per held-out row, the tenth of the corpus its chunk is in
 
 
 def prepare_datasets(
@@ -140,15 +142,15 @@ def prepare_datasets(
         # the same as a training one when both quote the same sentence; such ones are dropped.
         seen = {(c.question, tuple(c.answer)) for c in train_part}
         held_part = [c for c in held_part if (c.question, tuple(c.answer)) not in seen]
-        held_out = None
-        if held_part:
-            try:
-                held_out = training_data(model, held_part, prefix_tokens)
-            except ValueError:  # none fits the context next to the cartridge: no report
-                held_out = None
+        held_part = fitting(model, held_part, prefix_tokens)  # none fits next to the cartridge: no report
+        held_out = training_data(model, held_part, prefix_tokens) if held_part else None
+        # (Conversations of a synthesis checkpoint from before chunk spans were kept have none.)
+        known = held_part and all(c.chunk_span[1] > 0 for c in held_part)
+        parts = [part_of(c.chunk_span, len(corpus)) for c in held_part] if known else None
         return Datasets(training_data(model, train_part, prefix_tokens), held_out,
-                        signal_by_part(train_part, len(corpus)))
-    return Datasets(next_token_data(corpus, config, core_model(model).config.max_position_embeddings), None, None)
+                        signal_by_part(train_part, len(corpus)), parts)
+    return Datasets(next_token_data(corpus, config, core_model(model).config.max_position_embeddings), None, None,
+                    None)
 
 
 _DATA_FIELDS = ("tokens", "lengths", "target_mask", "topk_ids", "topk_logprobs")
@@ -228,7 +230,7 @@ def train(
     config = config.for_corpus(len(corpus))  # the cartridge records the number of conversations made
     bar = _Bar(progress, on_progress)
     quality = None
-    signal = None  # unknown for data made elsewhere
+    signal = parts = None  # unknown for data made elsewhere
     try:
         params = init_params(model, corpus, config)
         data_path = Path(f"{checkpoint}.data.pt") if checkpoint is not None else None
@@ -239,20 +241,24 @@ def train(
             held = saved.pop("held_out", None)
             signal = saved.pop("signal_by_part", None)
             signal = signal.tolist() if signal is not None else None
+            parts = saved.pop("held_out_parts", None)
+            parts = parts.tolist() if parts is not None else None
             data = cartridges_core.TrainingData(**saved)
             held_out = cartridges_core.TrainingData(**held) if held is not None else None
         elif data is None:
             # Conversations trained behind the companion have both prefixes in front.
             prefix_tokens = params.num_tokens * (2 if companion_fits(core, config, params) else 1)
-            data, held_out, signal = prepare_datasets(model, corpus, config, prefix_tokens, bar.update,
-                                                      synthesis_checkpoint=synthesis_path, resume=resume,
-                                                      cancel=cancel)
+            data, held_out, signal, parts = prepare_datasets(model, corpus, config, prefix_tokens, bar.update,
+                                                             synthesis_checkpoint=synthesis_path, resume=resume,
+                                                             cancel=cancel)
         if data_path is not None and not (resume and data_path.exists()):
             saved = _data_dict(data)
             if held_out is not None:
                 saved["held_out"] = _data_dict(held_out)
             if signal is not None:
                 saved["signal_by_part"] = torch.tensor(signal, dtype=torch.float64)
+            if parts is not None:
+                saved["held_out_parts"] = torch.tensor(parts, dtype=torch.long)
             tmp = data_path.with_name(data_path.name + ".tmp")
             torch.save(saved, tmp)
             os.replace(tmp, data_path)  # whole or absent: a resume never reads half a file
@@ -278,7 +284,7 @@ def train(
         result = cartridges_core.train_cartridge(core, params, data, options, report, cancel)
         t2 = time.perf_counter()
         if init is not None and not result.cancelled:
-            quality = quality_report(core, params, init, held_out, config.batch_size)
+            quality = quality_report(core, params, init, held_out, config.batch_size, parts)
         t3 = time.perf_counter()
     finally:
         bar.close()
@@ -294,6 +300,7 @@ def train(
         "quality_s": t3 - t2,
         "quality": quality,
         "signal_by_part": signal,
+        "held_out_parts": parts,
         "data": data,
         "held_out": held_out,
     }

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from cartridges.selfstudy import TrainConfig
-from cartridges.selfstudy.chunking import even_spans, named_texts, plan_views, random_view
+from cartridges.selfstudy.chunking import even_spans, named_texts, part_of, part_view, plan_views
 from cartridges.selfstudy.config import default_num_samples, default_num_tokens
 from cartridges.selfstudy.prompts import CLOZE_TEMPLATES, RECALL_TEMPLATES, cloze_message, recall_message
 from cartridges.selfstudy.synthesize import loop_start
@@ -71,8 +71,18 @@ def test_plan_is_deterministic_in_the_seed():
     a = plan_views(5_000, 40, 512, 1024, random.Random(3))
     assert a == plan_views(5_000, 40, 512, 1024, random.Random(3))
     assert a != plan_views(5_000, 40, 512, 1024, random.Random(4))
-    view = random_view(5_000, 512, 1024, random.Random(5))
-    assert view.window.start <= view.chunk.start and view.chunk.end <= view.window.end
+
+
+@pytest.mark.parametrize("total,chunk,window", [(5_000, 512, 1024), (20_000, 512, 1024), (700, 512, 1024)])
+def test_a_held_out_view_reads_its_own_tenth_of_the_corpus(total, chunk, window):
+    rng = random.Random(5)
+    for part in range(10):
+        for _ in range(5):
+            view = part_view(total, part, 10, chunk, window, rng)
+            assert view.window.start <= view.chunk.start and view.chunk.end <= view.window.end
+            assert len(view.chunk) == min(chunk, total) and len(view.window) == min(window, total)
+            if chunk * 10 <= total:  # a chunk shorter than a tenth is centred in it
+                assert part_of((view.chunk.start, view.chunk.end), total) == part
 
 
 def test_default_number_of_conversations_scales_with_the_corpus():

@@ -86,7 +86,6 @@ def run_job(run_id: str, data_dir: str | os.PathLike[str]) -> int:
 
 
 def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> None:
-    import cartridges_core as core
 
     from ..selfstudy import Corpus
     from ..selfstudy.config import TrainConfig

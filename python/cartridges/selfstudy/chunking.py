@@ -104,9 +104,23 @@ def plan_views(corpus_tokens: int, num_batches: int, chunk_tokens: int, window_t
     return views[:num_batches]
 
 
-def random_view(corpus_tokens: int, chunk_tokens: int, window_tokens: int, rng: random.Random) -> BatchView:
-    """One chunk drawn at random from the first round's, with its window (held-out batches)."""
+PARTS = 10  # the tenths of a corpus, over which training signal and held-out quality are reported
+
+
+def part_of(span: tuple[int, int], corpus_tokens: int, parts: int = PARTS) -> int:
+    """Which of `parts` equal parts of the corpus holds the centre of `span`."""
+    centre = (span[0] + span[1]) / 2
+    return min(parts - 1, max(0, int(centre * parts / corpus_tokens)))
+
+
+def part_view(corpus_tokens: int, part: int, parts: int, chunk_tokens: int, window_tokens: int,
+              rng: random.Random) -> BatchView:
+    """A chunk centred at a random point of part `part` of `parts` equal parts of the corpus, in
+    the window (of those that tile the corpus) nearest that point: held-out batches read every
+    part of the corpus alike, so that the quality report can be given per part."""
     window_tokens = max(1, min(window_tokens, corpus_tokens))
-    windows = even_spans(0, corpus_tokens, window_tokens)
-    window = rng.choice(windows)
-    return BatchView(rng.choice(even_spans(window.start, window.end, min(chunk_tokens, len(window)))), window)
+    chunk_tokens = max(1, min(chunk_tokens, window_tokens))
+    centre = corpus_tokens * (part + rng.random()) / parts
+    window = min(even_spans(0, corpus_tokens, window_tokens), key=lambda w: abs((w.start + w.end) / 2 - centre))
+    start = min(max(window.start, round(centre - chunk_tokens / 2)), window.end - chunk_tokens)
+    return BatchView(Span(start, start + chunk_tokens), window)

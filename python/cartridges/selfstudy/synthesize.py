@@ -23,7 +23,7 @@ import cartridges_core
 
 from ..cartridge import core_model
 from ..models.tokenizer import common_prefix_len
-from .chunking import BatchView, Corpus, Span, plan_views, random_view
+from .chunking import PARTS, BatchView, Corpus, Span, part_view, plan_views
 from .config import TrainConfig
 from .prompts import SEED_PROMPTS, SYSTEM_PROMPT, WRITTEN_HERE, draw_seed_prompts, written_message
 
@@ -100,8 +100,8 @@ class Synthesizer:
         rng = random.Random(f"selfstudy-plan:{self.config.seed}")
         return plan_views(len(corpus), num_batches, self.chunk_tokens, self.window_tokens, rng)
 
-    def random_view(self, corpus: Corpus, rng: random.Random) -> BatchView:
-        return random_view(len(corpus), self.chunk_tokens, self.window_tokens, rng)
+    def part_view(self, corpus: Corpus, part: int, parts: int, rng: random.Random) -> BatchView:
+        return part_view(len(corpus), part, parts, self.chunk_tokens, self.window_tokens, rng)
 
     def _system_kv(self, document: str) -> tuple[cartridges_core.KVPrefix, int]:
         """The KV of the prompt part that holds `document` (the same for every user message)."""
@@ -276,7 +276,8 @@ def synthesize(
 ) -> list[Conversation]:
     """`config.num_samples` conversations (scaled to the corpus when None) about chunks that
     cover `corpus` evenly, deterministic in `config.seed`, followed by `held_out` more about
-    random chunks, drawn from their own random stream (`held_out_rng`): the first
+    random chunks in each tenth of the corpus alike (`part_view`), drawn from their own random
+    stream (`held_out_rng`): the first
     `num_samples` are the same whatever `held_out` is. `on_progress(done, total)` is called
     after each batch, total counting both.
 
@@ -289,9 +290,13 @@ def synthesize(
     # Every batch's random stream and view, training batches then held-out ones.
     plan = synth.plan(corpus, math.ceil(config.num_samples / bs))
     specs = [(view, batch_rng(config.seed, b), min(bs, config.num_samples - b * bs)) for b, view in enumerate(plan)]
-    for h in range(math.ceil(held_out / bs)):
-        rng = held_out_rng(config.seed, h)
-        specs.append((synth.random_view(corpus, rng), rng, min(bs, held_out - h * bs)))
+    # Held-out conversations spread over the corpus' tenths alike (conversation i in tenth
+    # i * PARTS // held_out), in batches of at most bs per tenth.
+    per_part = [sum(i * PARTS // held_out == part for i in range(held_out)) for part in range(PARTS)]
+    for part, in_part in enumerate(per_part):
+        for start in range(0, in_part, bs):
+            rng = held_out_rng(config.seed, len(specs) - len(plan))
+            specs.append((synth.part_view(corpus, part, PARTS, rng), rng, min(bs, in_part - start)))
     out: list[Conversation] = list(done)
     total = config.num_samples + held_out
     # Resuming: skip the batches done (a checkpoint holds whole batches).
@@ -313,16 +318,23 @@ def student_tokens(tokenizer, question: str) -> list[int]:
     return list(tokenizer.encode_chat([{"role": "user", "content": question}], add_generation_prompt=True))
 
 
+def fitting(model, conversations: Sequence[Conversation], prefix_tokens: int) -> list[Conversation]:
+    """The conversations whose question leaves room for an answer token next to the prefix in
+    the context: those training_data keeps, in order."""
+    context = core_model(model).config.max_position_embeddings
+    return [c for c in conversations
+            if context - prefix_tokens - len(student_tokens(model.tokenizer, c.question)) >= 1]
+
+
 def training_data(model, conversations: Sequence[Conversation], prefix_tokens: int) -> cartridges_core.TrainingData:
     """Conversations as the student sees them (no chunk), right-padded, with the teacher's
-    top-k at each answer token. Answers are cut so that prefix + conversation fit the context."""
+    top-k at each answer token. Answers are cut so that prefix + conversation fit the context;
+    a conversation whose question alone leaves no room is left out (`fitting`)."""
     context = core_model(model).config.max_position_embeddings
     rows, targets_ids, targets_lp, spans = [], [], [], []
-    for c in conversations:
+    for c in fitting(model, conversations, prefix_tokens):
         prompt = student_tokens(model.tokenizer, c.question)
         room = context - prefix_tokens - len(prompt)
-        if room < 1:
-            continue
         n = min(len(c.answer), room)
         rows.append(prompt + c.answer[:n])
         spans.append((len(prompt) - 1, n))
