@@ -294,6 +294,25 @@ def print_tables(name: str, d: dict) -> None:
         print(f"| {s} | " + " | ".join(f"{d['recovered'][c]['by_section'][s]:.2f}" for c in rec_conds) + " |")
 
 
+def print_summary(report: dict) -> None:
+    """One row per document: recovered and exact-answer rate of every condition, as
+    benchmarks/README.md records them."""
+    docs = report["documents"]
+    conds = [c for c in CONDITIONS if any(c in d["conditions"] for d in docs.values())]
+    print("\n| document | split | tokens | questions | " + " | ".join(conds) + " |")
+    print("|" + "---|" * (4 + len(conds)))
+    for name, d in docs.items():
+        cells = []
+        for c in conds:
+            if c not in d["conditions"]:
+                cells.append("")
+                continue
+            rec = d["recovered"].get(c, {}).get("all", 0.0 if c == "none" else 1.0)
+            cells.append(f"{rec:.2f} / {d['conditions'][c]['match']:.2f}")
+        print(f"| {name} | {d['split']} | {d['corpus_tokens']} | {d['questions']} | " + " | ".join(cells) + " |")
+    print("(recovered log p gain over no context, as a share of the oracle's / exact-answer rate)")
+
+
 def plot(name: str, d: dict, directory: Path) -> Path:
     """Bars per section: log p(gold) per token (above) and the exact-answer rate (below)."""
     import matplotlib
@@ -334,8 +353,24 @@ def main() -> int:
                         metavar="A,B,...", help=f"the conditions to run, of {', '.join(CONDITIONS)} (none and oracle "
                         "always run)")
     parser.add_argument("--plot-dir", type=Path, default=Path("docs/images"), help="where the bar charts go")
+    parser.add_argument("--from-json", nargs="+", type=Path, metavar="JSON",
+                        help="no evaluation: the tables and charts of earlier runs' --out files, together")
     args = parser.parse_args()
 
+    if args.from_json:
+        report = {"documents": {}}
+        for path in args.from_json:
+            for name, d in json.loads(path.read_text())["documents"].items():
+                # JSON keeps section numbers as strings
+                d["by_section"] = {c: {int(k): v for k, v in secs.items()} for c, secs in d["by_section"].items()}
+                for rec in d["recovered"].values():
+                    rec["by_section"] = {int(k): v for k, v in rec["by_section"].items()}
+                report["documents"][name] = d
+        for name, d in report["documents"].items():
+            print_tables(name, d)
+            print(f"plot: {plot(name, d, args.plot_dir)}", file=sys.stderr)
+        print_summary(report)
+        return 0
     torch.set_num_threads(args.threads)  # before the engine starts: its compute thread follows it
     model = cartridges.load_model()
     if args.check_docs:
@@ -351,6 +386,7 @@ def main() -> int:
         print(f"plot: {plot(name, d, args.plot_dir)}", file=sys.stderr)
         if args.out:  # after every document: a long run keeps what it has
             Path(args.out).write_text(json.dumps({**report, "wall_s": time.perf_counter() - t0}, indent=1))
+    print_summary(report)
     return 0
 
 
