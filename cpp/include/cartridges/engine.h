@@ -133,7 +133,8 @@ struct EngineOptions {
 enum class Composition {
   // Their KV one after another in front of one sequence, in order: attention decides which
   // to read. Cartridges trained alone pull every question to themselves, so each document's
-  // questions lose most of their gain (benchmarks/README.md, "Composition").
+  // questions lose most of their gain (docs/experiments.md, "Why does composition by
+  // concatenation fail, and can training fix it?").
   kConcatenate = 0,
   // One sequence per cartridge (same prompt, own KV range); each step samples from the
   // mixture of their next-token distributions, each weighted by the likelihood it gave to
@@ -152,7 +153,7 @@ struct Request {
   // A mixture's weights count the prompt from this token on, and all the output. Text that
   // every cartridge is shown alike (the chat template's opening, a system prompt) tells no
   // document from another, yet a strongly trained cartridge explains it better and would
-  // take every question (benchmarks/README.md, "Mixture weights from the question on"):
+  // take every question (docs/experiments.md, "Which tokens should a mixture's weights count?"):
   // callers start at the conversation's first message after the system prompt.
   int64_t weigh_from = 0;
 };

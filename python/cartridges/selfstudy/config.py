@@ -40,26 +40,37 @@ class TrainConfig:
     # The cartridge
     num_tokens: int | None = None
     """KV tokens of the cartridge (its memory is num_tokens x layers x 2 x kv_heads x head_dim).
-    None: an eighth of the corpus, in multiples of 16, at least 64 and at most 2048
-    (`default_num_tokens`). Screened on 2026-11-23 (benchmarks/README.md): an eighth of the
-    document recovered 0.55 on the held-out documents over two seeds, against 0.49 at 256;
-    end to end with fresh synthesis over three seeds, 0.54 (0.61 since layer_scaled_lr, 0.60
-    with channel_scaled_lr)."""
+    None (the default): an eighth of the corpus, in multiples of 16, at least 64 and at most 2048
+    (`default_num_tokens`), which still keeps the KV over 8x smaller than the document in
+    context and trained better cartridges than a fixed 256 tokens on every run screened
+    (docs/experiments.md, "Do row weighting or a larger cartridge raise the recovered fraction
+    over seeds?")."""
     num_frozen: int = 1
-    """Leading tokens never trained (the attention sink). Keeping more of the initialization
-    (80 tokens, screened on 2026-11-24) lowered three of four runs."""
+    """Leading tokens never trained (the attention sink). The default freezes only that first
+    token: keeping more of the initialization unchanged (a quarter of the cartridge) lowered
+    most of the runs it was tried on (docs/experiments.md, "Does giving each channel its own
+    learning rate help, and do warmup or frozen tokens?")."""
     init: str = "corpus"
-    """"corpus": the KV cache of the first num_tokens tokens of the corpus; "spread": of
-    num_tokens corpus tokens taken as 8 evenly spaced runs from all over it; "text": of an
-    unrelated built-in text (repeated as needed)."""
+    """Where the cartridge's initial KV comes from: "corpus", the KV cache of the first
+    num_tokens tokens of the corpus; "spread", of num_tokens corpus tokens taken as 8 evenly
+    spaced runs from all over it; "text", of an unrelated built-in text (repeated as needed).
+    The default is "corpus": "spread" started lower and trained to a lower figure
+    (docs/experiments.md, "Which learning rate, teacher window and initialization suit the
+    tuning document?")."""
     objective: str = "distill"
-    """"distill": context distillation on synthetic conversations (the method);
-    "next_token": plain next-token loss on windows of the corpus (the ablation; no synthesis)."""
+    """What the cartridge is trained toward: "distill", context distillation on synthetic
+    conversations (the method); "next_token", plain next-token loss on windows of the corpus
+    (the ablation; no synthesis). The default is "distill", the method the experiments measure
+    (docs/experiments.md, "Does self-study distillation recover a document's facts, and better
+    than next-token training?")."""
 
     # Synthesis
     num_samples: int | None = None
-    """Synthetic conversations (or corpus windows for next_token). None: scaled to the corpus,
-    one per 10 tokens in batches of 16, at least 128 and at most 8192 (`default_num_samples`)."""
+    """Synthetic conversations (or corpus windows for next_token). None (the default): scaled to
+    the corpus, one per 10 tokens in batches of 16, at least 128 and at most 8192
+    (`default_num_samples`); twice as many with one epoch did not raise the mean over seeds
+    (docs/experiments.md, "Do twice the conversations with one epoch remove the seed
+    variance?")."""
     chunk_tokens: int = 512
     """What "A" reads to write its message: the corpus is cut into chunks of this many tokens
     that cover it evenly, one per batch of conversations (longer when there are too few
@@ -68,14 +79,17 @@ class TrainConfig:
     """What "B", the teacher, has in context when it answers: the window of at most this many
     corpus tokens that holds the chunk (the whole corpus when it fits; clipped to the model's
     context). Its KV is computed once per window and shared by every batch reading it.
-    0: the chunk alone."""
+    0: the chunk alone. A teacher reading the whole document trained much worse cartridges
+    than the default 1024-token window (docs/experiments.md, "Which learning rate, teacher
+    window and initialization suit the tuning document?")."""
     written_fraction: float = 1.0
     """Share of the conversations written from the chunk itself rather than by A and B: "recall"
     (a sentence's start quoted, the rest asked for) and "cloze" (a number or name blanked out),
     half each, with the document's own words as the answer, scored by the teacher. They carry
-    the facts verbatim and cost no generation. 1 (the default) leaves A and B out: with the
-    default 135M model their conversations did not help (benchmarks/README.md); larger
-    models, which write and answer better, may gain from some (e.g. 0.4)."""
+    the facts verbatim and cost no generation. The default, 1, leaves A and B out: with the
+    default 135M model their conversations did not help and cost time; larger models, which
+    write and answer better, may gain from some, e.g. 0.4 (docs/experiments.md, "Which
+    changes to synthesis make self-study carry the document's facts?")."""
     synthesis_batch_size: int = 16
     """Conversations generated together; they share their chunk and window (and their KV)."""
     question_temperature: float = 0.6
@@ -87,7 +101,9 @@ class TrainConfig:
     max_answer_tokens: int = 128
     """The longest answer "B" writes, in tokens. Longer answers are cut here; an answer that
     ends in a loop (the same words over and over, which small models fall into) is cut where
-    the loop starts."""
+    the loop starts. Shorter answers with more conversations trained worse
+    (docs/experiments.md, "Which changes to synthesis make self-study carry the document's
+    facts?")."""
     top_k: int = 20
     """Teacher log-probabilities kept per answer token."""
     quality_samples: int | None = None
@@ -97,60 +113,67 @@ class TrainConfig:
 
     # Training
     lr: float = 2e-2
-    """Adam's learning rate (its peak, between the warmup and the cosine decay)."""
+    """Adam's learning rate (its peak, between the warmup and the cosine decay). The higher
+    rates that gained on the tuning documents did not carry over to the held-out ones, so the
+    default stays 2e-2 (docs/experiments.md, "Which learning rate, teacher window and
+    initialization suit the tuning document?" and "Does giving each layer its own learning
+    rate help?")."""
     epochs: int = 2
-    """Passes over the conversations. Two gained on the tuning document (benchmarks/README.md,
-    E3) and, since synthesis got faster, fit in the 10 minutes a 2,500-token document gets."""
+    """Passes over the conversations. The default, 2, gained over one on the tuning document and
+    on the held-out documents under the default seed, and fits in the 10 minutes a
+    2,500-token document gets (docs/experiments.md, "Does a second epoch help?")."""
     batch_size: int = 4
     """Conversations per forward/backward."""
     grad_accum: int = 1
-    """Micro-batches per optimizer step."""
+    """Micro-batches per optimizer step. The default, 1, trained better than 2
+    (docs/experiments.md, "Where does the seed variance come from, and do token weighting,
+    gradient accumulation, tail averaging or a soup remove it?")."""
     cosine: bool = True
     """Cosine decay of the learning rate to 0 over the run (after the warmup)."""
     warmup: float = 0.0
     """Share of the run's optimizer steps over which the learning rate rises linearly to lr
-    (from lr / W at the first of its W steps). Adam's first steps move every value by about the
-    full lr whatever the gradient's noise. 0: none. At 0.1, screened on 2026-11-24 on the two
-    runs nearest their initializations (benchmarks/README.md, "Each channel's own learning
-    rate"): one rose, the other fell 0.11, below its initialization; not the default."""
+    (from lr / W at the first of its W steps). It tempers Adam's first steps, which move every
+    value by about the full lr whatever the gradient's noise, but is off (0) by default: 0.1
+    lifted one of the two runs nearest their initializations and dropped the other below its
+    own (docs/experiments.md, "Does giving each channel its own learning rate help, and do
+    warmup or frozen tokens?")."""
     anchor: float = 0.0
     """Pull toward the initialization: after each optimizer step every trained KV value moves
-    lr × anchor of the way back to where it started (0: none). No gain in the screen of
-    2026-11-23 (benchmarks/README.md, "Anchoring training to the initialization"): it pulls
-    every run toward its initialization, lifting the manual's failing seed above it (anchor 2)
-    but lowering most good runs; held-out mean 0.54 at anchor 1 (as without it), 0.49 at 2;
-    screened before layer_scaled_lr, with one lr for all layers."""
+    lr × anchor of the way back to where it started (0: none). Off by default: it pulls every
+    run toward its initialization, lifting a failing run but lowering most good ones, for no
+    gain on average (docs/experiments.md, "Does anchoring training to the initialization
+    help?", screened with one lr for all layers)."""
     layer_scaled_lr: bool = True
     """Each layer's keys (and values) step at lr × their initial RMS / the RMS of all the
-    cartridge's keys (values), so every layer moves by the same share of its size. With one lr
-    for all (False), the default model's layer-0 values (RMS 0.05, against 1.4 in the last
-    layers) ended training 2.6 times their own size away from where they started, the other
-    layers' values 0.2-0.5 and the keys 0.1; scaled, every layer's values move 0.2-0.3.
-    Screened on 2026-11-23 (benchmarks/README.md, "Each layer's own learning rate"): held-out
-    mean 0.61 against 0.54 over three seeds (better on 5 of 6 runs); even on the tuning
-    documents (0.52 both ways, better on 3 of 4 runs)."""
+    cartridge's keys (values), so every layer moves by the same share of its size. On by
+    default: with one lr for all layers (False) the smallest values, layer 0's, end training
+    far from where they started, and scaled steps were better on most runs
+    (docs/experiments.md, "Does giving each layer its own learning rate help?")."""
     channel_scaled_lr: bool = True
     """With layer_scaled_lr, finer: each channel of the keys (values), a layer's head and
     dimension, steps at lr × its initial RMS over the tokens / the RMS of all the cartridge's keys
-    (values). Within a head, SmolLM2's key dimensions differ in size 16x (the median head; 5-46x),
-    its value dimensions 3x (1.5-15x). No effect without layer_scaled_lr. Screened on
-    2026-11-24 (benchmarks/README.md, "Each channel's own learning rate"): on the tuning
-    documents 0.55 against 0.52 per layer (better on 4 of 4 runs, the report's seed 1 above its
-    initialization), on the held-out documents 0.60 against 0.61; all twelve runs (four
-    documents, three seeds) above their initializations."""
+    (values). No effect without layer_scaled_lr; on by default because channels within a head
+    differ in size many times over, and per-channel steps gained on every tuning run and
+    put every run above its initialization (docs/experiments.md, "Does giving each channel its
+    own learning rate help, and do warmup or frozen tokens?")."""
     loss_weighting: str = "step"
     """How a step's loss is averaged over its conversations' answer tokens. "step": the step's
     mean per token, so within a step a recall answer (128 tokens) outweighs a cloze answer (a
     few) some 60 times. "token": the step's summed loss over the targets of an average step, so
     every token weighs the same across the run. "row": each conversation's mean per token,
     averaged over the step's conversations, so a short answer weighs as much as a long one.
-    Screened on 2026-11-23 (benchmarks/README.md), on the suite's documents over two seeds:
-    "token" 0.47 and "row" 0.39 recovered on the held-out documents, against 0.49 for "step"."""
+    The default is "step": the other two recovered less on the held-out documents
+    (docs/experiments.md, "Where does the seed variance come from, and do token weighting,
+    gradient accumulation, tail averaging or a soup remove it?" and "Do row weighting or a
+    larger cartridge raise the recovered fraction over seeds?")."""
     companion_every: int = 3
     """Composition: every companion_every-th conversation is trained with a stand-in for another
     cartridge in front (the KV of unrelated text, as long as this cartridge), as it would be
     when composed with another, so that it keeps working then. Left out when the two would take
-    more than half the model's context. 0: never."""
+    more than half the model's context. 0: never. The default, 3, serves composition by
+    concatenation; dropping it saves some training time and changed quality within one run's
+    variation (docs/experiments.md, "Is the training-time companion still needed once
+    composition is by mixture?")."""
     checkpoint_every: int = 0
     """Optimizer steps between checkpoints when train() gets a checkpoint path (0: only at the end)."""
     seed: int = 0
