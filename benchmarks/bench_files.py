@@ -120,7 +120,7 @@ def bench_throughput(server: Server, sizes_mib: list[int]) -> list[dict]:
 
 def bench_list(data_dir: Path, count: int) -> None:
     from cartridges.server.keys import create_key
-    from cartridges.server.storage import core, open_store
+    from cartridges.store import core, open_store
 
     store = open_store(data_dir, sync=False)
     key = create_key(store, "default", KEY)

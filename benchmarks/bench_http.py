@@ -38,7 +38,7 @@ import cartridges
 from cartridges import Cartridge
 from cartridges.jobs import base_model_id
 from cartridges.server.keys import bootstrap
-from cartridges.server.storage import core, open_store
+from cartridges.store import core, open_store
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import QUESTIONS  # noqa: E402 - the same chat prompts as the other benchmarks

@@ -112,7 +112,7 @@ class LiveServer:
     def add_user(self, name: str | None = None) -> str:
         """A new user with a key, created through the store while the server runs."""
         from cartridges.server.keys import create_key
-        from cartridges.server.storage import open_store
+        from cartridges.store import open_store
 
         store = open_store(self.data_dir)
         try:

@@ -58,7 +58,7 @@ def test_authentication(server: LiveServer, headers: dict[str, str]) -> None:
 
 def test_revoked_key_is_refused(server: LiveServer) -> None:
     from cartridges.server.keys import hash_key
-    from cartridges.server.storage import open_store
+    from cartridges.store import open_store
 
     key = server.add_user()
     assert server.http(key).get("/v1/files").status_code == 200

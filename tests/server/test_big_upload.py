@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from cartridges.server.settings import MAX_UPLOAD_BYTES

@@ -16,7 +16,7 @@ import torch
 import cartridges
 from cartridges import Cartridge, Client
 from cartridges.selfstudy.chunking import Corpus
-from cartridges.server.storage import core, open_store
+from cartridges.store import core, open_store
 
 from .conftest import ADMIN_KEY, LiveServer, upload_text
 from .tiny_hf_model import DOCUMENT, TINY_TRAIN_CONFIG

@@ -9,7 +9,7 @@ import pytest
 
 from cartridges import Cartridge, Client
 from cartridges.client import APIError
-from cartridges.server.storage import core, open_store
+from cartridges.store import core, open_store
 
 from .conftest import ADMIN_KEY, LiveServer, upload_text
 from .tiny_hf_model import DOCUMENT, TINY_TRAIN_CONFIG

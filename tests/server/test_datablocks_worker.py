@@ -15,7 +15,7 @@ from cartridges import Cartridge
 from cartridges.jobs import Supervisor, train_config_from_request
 from cartridges.jobs.supervisor import MAX_ATTEMPTS
 from cartridges.jobs.worker import _training_texts, run_job
-from cartridges.server.storage import core, open_store
+from cartridges.store import core, open_store
 
 from .tiny_hf_model import DOCUMENT, TINY_TRAIN_CONFIG
 

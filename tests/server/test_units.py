@@ -80,7 +80,7 @@ def test_keys_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["keys", "create", "--user", "bad name", "--data-dir", data]) == 2
 
     from cartridges.server.keys import hash_key
-    from cartridges.server.storage import open_store
+    from cartridges.store import open_store
 
     store = open_store(data)
     try:
@@ -123,7 +123,7 @@ def test_bootstrap_creates_default_user_once(tmp_path: Path) -> None:
     import io
 
     from cartridges.server import keys
-    from cartridges.server.storage import open_store
+    from cartridges.store import open_store
 
     store = open_store(tmp_path / "data")
     try:

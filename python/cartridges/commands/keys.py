@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from cartridges.server import keys
     from cartridges.server.settings import Settings
-    from cartridges.server.storage import core, open_store
+    from cartridges.store import core, open_store
 
     settings = Settings.from_env(data_dir=args.data_dir)
     store = open_store(settings.data_dir)

@@ -52,7 +52,7 @@ class Supervisor:
                  on_workers_changed: Callable[[int], None] | None = None) -> None:
         """`on_workers_changed(n)` is called from the supervisor thread whenever the number of
         running workers changes (the server gives the engine's cores back and forth with it)."""
-        from ..server.storage import core
+        from ..store import core
 
         self._core = core()
         self._admin = self._core.Owner(0, True)

@@ -46,11 +46,10 @@ class JobFailed(Exception):
 
 def run_job(run_id: str, data_dir: str | os.PathLike[str]) -> int:
     """Trains datablock `run_id` of the store in `data_dir` to its end; returns an exit code."""
-    import torch  # noqa: F401  (loads libtorch before the compiled core)
+    from ..store import core as compiled_core, open_store
 
-    import cartridges_core as core
-
-    store = core.Store(str(data_dir))
+    core = compiled_core()
+    store = open_store(data_dir)
     admin = core.Owner(0, True)
     try:
         record = store.get_datablock(admin, run_id)

@@ -18,7 +18,7 @@ from cartridges.server.metrics import Metrics, RequestCounter
 from cartridges.server.routers import chat, datablocks, files, serving
 from cartridges.server.serving import Serving
 from cartridges.server.settings import Settings
-from cartridges.server.storage import core, open_store
+from cartridges.store import core, open_store
 
 API_PREFIXES = ("/api/v1", "/v1")
 

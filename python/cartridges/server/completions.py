@@ -22,7 +22,7 @@ from cartridges.server.chat_schemas import ChatCompletionRequest, FilePart
 from cartridges.server.deps import Principal
 from cartridges.server.errors import APIError
 from cartridges.server.serving import CartridgeUnavailable, Serving
-from cartridges.server.storage import core
+from cartridges.store import core
 
 log = logging.getLogger("cartridges.server")
 FILE_WAIT_S = 30.0  # a file part still being processed is waited for this long

@@ -37,7 +37,7 @@ class Principal:
     @property
     def owner(self) -> Any:
         """What the store takes on every call; the store enforces it."""
-        from cartridges.server.storage import core
+        from cartridges.store import core
 
         return core().Owner(self.user_id, self.admin)
 

@@ -137,7 +137,7 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    from cartridges.server.storage import core as load_core
+    from cartridges.store import core as load_core
 
     core = load_core()
 

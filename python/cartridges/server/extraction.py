@@ -171,7 +171,7 @@ class Extractor:
                 log.exception("text extraction failed for %s", file_id)
 
     def process(self, file_id: str) -> None:
-        from cartridges.server.storage import core
+        from cartridges.store import core
 
         errors = core()
         try:

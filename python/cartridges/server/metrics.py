@@ -100,7 +100,7 @@ class _StateCollector(Collector):
 def job_counts(store: Any) -> dict[str, int]:
     if store is None:
         return {}
-    from cartridges.server.storage import core
+    from cartridges.store import core
 
     admin = core().Owner(0, True)
     return {status: len(store.list_datablocks(admin, status=status, limit=10000).data) for status in JOB_STATUSES}

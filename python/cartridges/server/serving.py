@@ -20,7 +20,7 @@ from cartridges.jobs import base_model_id
 from cartridges.server.deps import Principal
 from cartridges.server.errors import APIError
 from cartridges.server.settings import Settings
-from cartridges.server.storage import core
+from cartridges.store import core
 
 log = logging.getLogger("cartridges.server")
 MiB = 1 << 20

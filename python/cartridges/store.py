@@ -1,4 +1,5 @@
-"""Opening the C++ store (`cartridges_core.Store`) from Python."""
+"""Opening the C++ store (`cartridges_core.Store`) from Python: one way for the server, its
+training jobs and the CLI."""
 
 from __future__ import annotations
 
