@@ -119,6 +119,42 @@ def test_train_help_describes_every_config_field(capsys: pytest.CaptureFixture[s
     assert "--warmup WARMUP Share of the run's optimizer steps" in out
 
 
+def test_train_command_refuses_a_bad_config_without_a_traceback(tmp_path: Path, capsys) -> None:
+    from cartridges.cli import main
+
+    (tmp_path / "doc.txt").write_text("Some text.")
+    assert main(["train", str(tmp_path / "doc.txt"), "--out", str(tmp_path / "c.safetensors"), "--lr", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "error: lr must be positive" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("status,code", [("succeeded", 0), ("failed", 1)])
+def test_datablocks_train_wait_exits_with_the_job_outcome(monkeypatch, capsys, status: str, code: int) -> None:
+    import cartridges.client
+    from cartridges.cli import main
+
+    class Blocks:
+        def train(self, files, **kw):
+            return {"id": "alice/default/abc", "status": "queued"}
+
+        def wait(self, block_id):
+            return {"id": block_id, "status": status}
+
+    class FakeClient:
+        def __init__(self, url, key):
+            self.datablocks = Blocks()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(cartridges.client, "Client", FakeClient)
+    assert main(["datablocks", "--api-key", "k", "train", "file-x", "--wait"]) == code
+    assert f'"status": "{status}"' in capsys.readouterr().out
+
+
 def test_bootstrap_creates_default_user_once(tmp_path: Path) -> None:
     import io
 

@@ -53,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
                 block = blocks.train(args.files, name=args.name, model=args.model, config=config)
                 if args.wait:
                     block = blocks.wait(block["id"])
+                    _print(block)
+                    return 0 if block["status"] == "succeeded" else 1
                 _print(block)
             elif args.action == "list":
                 for block in blocks.list(status=args.status):

@@ -76,7 +76,11 @@ def run(args: argparse.Namespace) -> int:
     from ..selfstudy.config import TrainConfig
     from ..training import train
 
-    config = TrainConfig(**{f.name: getattr(args, f.name) for f in _options()})
+    try:
+        config = TrainConfig(**{f.name: getattr(args, f.name) for f in _options()})
+    except ValueError as error:  # a value out of its range: say which, with no traceback
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     try:
         texts = named_texts([(Path(p).name, read_text(Path(p))) for p in args.files])
     except OSError as error:
