@@ -1,0 +1,65 @@
+"""The long-corpus evaluation suite's documents keep its rules (sizes, questions per section,
+every kind, multi-hop questions far apart, literal answers in their sections), and what the
+suite builds from them (sections, retrieval chunks) is what it says."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def eval_long():
+    sys.path.insert(0, str(BENCHMARKS))  # eval_long imports its sibling, evaluation.py
+    try:
+        spec = importlib.util.spec_from_file_location("eval_long", BENCHMARKS / "eval_long.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["eval_long"] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+        sys.modules.pop("eval_long", None)
+
+
+@pytest.fixture(scope="module")
+def model():
+    import cartridges
+
+    return cartridges.load_model()
+
+
+def test_the_long_documents_keep_the_suite_rules(eval_long, model, capsys):
+    assert eval_long.check_docs(model, list(eval_long.ALL_DOCS)) == 0, capsys.readouterr().out
+    held_out = set(eval_long.ALL_DOCS) - set(eval_long.DEFAULT_TUNE)
+    assert held_out, "at least one document is held out from every tuning decision"
+
+
+def test_sections_are_numbered_in_order(eval_long):
+    text = "# T\n\nintro\n\n## 1. A\n\nalpha\n\n## 2. B\n\nbeta\n"
+    assert eval_long.split_sections(text) == ["## 1. A\n\nalpha", "## 2. B\n\nbeta"]
+    with pytest.raises(ValueError, match="numbered"):
+        eval_long.split_sections("## 1. A\n\n## 3. C\n")
+
+
+def test_retrieval_chunks_cover_the_corpus_in_about_300_tokens(eval_long, model):
+    doc = eval_long.load_document("atlas")
+    chunks = eval_long.retrieval_chunks(model, doc.text)
+    sizes = [len(model.tokenizer.encode(c)) for c in chunks]
+    assert max(sizes) <= eval_long.RETRIEVAL_CHUNK_TOKENS + 8  # joined paragraphs re-tokenize a little apart
+    assert sum(sizes) / len(sizes) > 0.6 * eval_long.RETRIEVAL_CHUNK_TOKENS
+    # Every paragraph of the corpus is in a chunk, in order.
+    joined = "\n\n".join(chunks)
+    paragraphs = [p.strip() for p in doc.text.split("\n\n") if p.strip()]
+    assert all(p in joined for p in paragraphs if len(model.tokenizer.encode(p)) <= 300)
+    # BM25 finds the chunk that states a literal answer for most literal questions.
+    literal = [q for q in doc.questions if q.kind == "literal"]
+    found = [q.answer.lower() in text.lower() for q, text in zip(literal, eval_long.retrieve(chunks, literal))]
+    assert sum(found) >= 0.8 * len(literal), sum(found)
