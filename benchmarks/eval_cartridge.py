@@ -51,8 +51,8 @@ import cartridges
 from cartridges.cartridge import Cartridge
 from cartridges.selfstudy import Corpus, TrainConfig
 from cartridges.training import init_params
-from evaluation import (Condition, Question, check_question, document_prompt, evaluate, for_text, get_cartridge,
-                        kv_bytes_per_token, parse_overrides, recovered, suite_arguments, truncated_document)
+from evaluation import (Condition, Question, add_recovered, check_question, document_prompt, evaluate, for_text,
+                        get_cartridge, kv_bytes_per_token, parse_overrides, suite_arguments, truncated_document)
 
 DOCS_DIR = Path(__file__).resolve().parent / "eval_docs"
 ALL_DOCS = ("handbook", "report", "narrative", "manual")
@@ -95,21 +95,6 @@ def select_questions(questions: list[Question], n: int) -> list[Question]:
             if queues[k] and len(picked) < n:
                 picked.append(queues[k].pop(0))
     return [q for q in questions if any(q is p for p in picked)]
-
-
-def add_recovered(conds: dict[str, dict]) -> dict:
-    """(condition - none) / (in_context - none), overall and by kind, for every other condition."""
-    none, full = conds["none"], conds["in_context"]
-    out = {}
-    for name, c in conds.items():
-        if name in ("none", "in_context"):
-            continue
-        out[name] = {
-            "all": recovered(c["loglik_per_token"], none["loglik_per_token"], full["loglik_per_token"]),
-            "by_kind": {k: recovered(v["loglik_per_token"], none["by_kind"][k]["loglik_per_token"],
-                                     full["by_kind"][k]["loglik_per_token"]) for k, v in c["by_kind"].items()},
-        }
-    return out
 
 
 # -- cartridges -----------------------------------------------------------------------------
@@ -185,7 +170,7 @@ def evaluate_document(model, doc: Document, config: TrainConfig, args, split: st
         "training_s": train_stats.get("training_s"),
         "train_stats": train_stats,
         "conditions": {name: {k: v for k, v in r.items() if k != "per_question"} for name, r in results.items()},
-        "recovered": add_recovered(results),
+        "recovered": add_recovered(results, "in_context"),
         "per_question": [
             {"question": q.question, "answer": q.answer, "kind": q.kind,
              **{name: r["per_question"][i] for name, r in results.items()}}

@@ -38,9 +38,9 @@ import cartridges
 from cartridges.cartridge import Cartridge
 from cartridges.selfstudy import Corpus, TrainConfig
 from cartridges.training import init_params
-from evaluation import (Condition, Question, check_question, document_prompt, evaluate, evaluate_each, for_text,
-                        get_cartridge, kv_bytes_per_token, parse_overrides, recovered, suite_arguments,
-                        truncated_document)
+from evaluation import (Condition, Question, add_recovered, check_question, document_prompt, evaluate, evaluate_each,
+                        for_text, get_cartridge, kv_bytes_per_token, parse_overrides, recovered, suite_arguments,
+                        summary, truncated_document)
 
 DOCS_DIR = Path(__file__).resolve().parent / "eval_docs" / "long"
 ALL_DOCS = ("atlas", "chronicle", "rulebook")
@@ -160,33 +160,18 @@ def truncation_budget(model, questions: list[Question], max_reply: int) -> int:
 def by_section(doc: LongDocument, questions: list[Question], result: dict) -> dict[int, dict]:
     """Per section asked about, the figures of its own questions (multi-hop ones count for both
     sections)."""
-    out = {}
-    for s in range(1, len(doc.sections) + 1):
-        idx = [i for i, q in enumerate(questions) if s in q.sections]
-        if not idx:
-            continue
-        pq = result["per_question"]
-        out[s] = {"n": len(idx),
-                  "loglik_per_token": sum(pq[i]["loglik"] for i in idx) / sum(pq[i]["answer_tokens"] for i in idx),
-                  "match": sum(pq[i]["match"] for i in idx) / len(idx)}
-    return out
+    sections = range(1, len(doc.sections) + 1)
+    idx = {s: [i for i, q in enumerate(questions) if s in q.sections] for s in sections}
+    return {s: summary(result["per_question"], rows) for s, rows in idx.items() if rows}
 
 
 def recovered_table(results: dict[str, dict], sections: dict[str, dict[int, dict]]) -> dict[str, dict]:
     """(condition - none) / (oracle - none) per token: overall, by kind and by section."""
-    none, oracle = results["none"], results["oracle"]
-    out = {}
-    for name, r in results.items():
-        if name in ("none", "oracle"):
-            continue
-        out[name] = {
-            "all": recovered(r["loglik_per_token"], none["loglik_per_token"], oracle["loglik_per_token"]),
-            "by_kind": {k: recovered(v["loglik_per_token"], none["by_kind"][k]["loglik_per_token"],
-                                     oracle["by_kind"][k]["loglik_per_token"]) for k, v in r["by_kind"].items()},
-            "by_section": {s: recovered(v["loglik_per_token"], sections["none"][s]["loglik_per_token"],
-                                        sections["oracle"][s]["loglik_per_token"])
-                           for s, v in sections[name].items()},
-        }
+    out = add_recovered(results, "oracle")
+    for name, rec in out.items():
+        rec["by_section"] = {s: recovered(v["loglik_per_token"], sections["none"][s]["loglik_per_token"],
+                                          sections["oracle"][s]["loglik_per_token"])
+                             for s, v in sections[name].items()}
     return out
 
 

@@ -265,6 +265,19 @@ def recovered(value: float, none: float, full: float) -> float:
     return (value - none) / (full - none) if full != none else float("nan")
 
 
+def add_recovered(conds: dict[str, dict], full: str) -> dict:
+    """(condition - none) / (`full` - none), overall and by kind, for every other condition."""
+    none, top = conds["none"], conds[full]
+    return {
+        name: {
+            "all": recovered(c["loglik_per_token"], none["loglik_per_token"], top["loglik_per_token"]),
+            "by_kind": {k: recovered(v["loglik_per_token"], none["by_kind"][k]["loglik_per_token"],
+                                     top["by_kind"][k]["loglik_per_token"]) for k, v in c["by_kind"].items()},
+        }
+        for name, c in conds.items() if name not in ("none", full)
+    }
+
+
 # -- cartridges -----------------------------------------------------------------------------
 
 def kv_bytes_per_token(model) -> int:
