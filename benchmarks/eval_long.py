@@ -341,6 +341,9 @@ def main() -> int:
     parser.add_argument("--from-json", nargs="+", type=Path, metavar="JSON",
                         help="no evaluation: the tables and charts of earlier runs' --out files, together")
     args = parser.parse_args()
+    unknown = set(args.conditions) - set(CONDITIONS)
+    if unknown:
+        parser.error(f"unknown conditions {sorted(unknown)}; choose from {', '.join(CONDITIONS)}")
 
     if args.from_json:
         report = {"documents": {}}
