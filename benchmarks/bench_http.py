@@ -36,7 +36,7 @@ import torch
 
 import cartridges
 from cartridges import Cartridge
-from cartridges.jobs import base_model_id
+from cartridges.models.default import base_model_id
 from cartridges.server.keys import bootstrap
 from cartridges.store import core, open_store
 
@@ -151,7 +151,7 @@ def write_cartridges(data_dir: Path, model, documents: list[list[int]], tokens: 
             record = store.create_datablock(owner, project=f"bench{i}", model=base_model_id(None), model_path="",
                                             training_files=[source.id], config="{}", num_tokens=tokens)
             store.start_datablock(owner, record.run_id, model.fingerprint)
-            prefix = model.core.prefix_from_tokens(torch.tensor(doc[:tokens]))
+            prefix = model.native.prefix_from_tokens(torch.tensor(doc[:tokens]))
             blob = store.begin_blob()
             blob.write(Cartridge(list(prefix.keys), list(prefix.values), fingerprint=model.fingerprint).to_bytes())
             store.succeed_datablock(owner, record.run_id, blob, json.dumps({"stage": "done", "completed": 0,
@@ -172,6 +172,7 @@ def random_document(model, tokens: int, rng: random.Random) -> tuple[str, list[i
     return model.tokenizer.decode(ids), ids
 
 
+# Longer than 60 lines: the benchmark's steps (server, load, measurements, table) in order.
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", default="1,16")

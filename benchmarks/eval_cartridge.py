@@ -35,8 +35,6 @@ training again, and an interrupted training resumes from its checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import math
 import sys
@@ -51,8 +49,9 @@ import cartridges
 from cartridges.cartridge import Cartridge
 from cartridges.selfstudy import Corpus, TrainConfig
 from cartridges.training import init_params
-from evaluation import (Condition, Question, add_recovered, check_question, document_prompt, evaluate, for_text,
-                        get_cartridge, kv_bytes_per_token, parse_overrides, suite_arguments, truncated_document)
+from evaluation import (Condition, Question, add_recovered, cached_result, check_question, document_prompt, evaluate,
+                        for_text, get_cartridge, kv_bytes_per_token, parse_overrides, suite_arguments,
+                        truncated_document)
 
 DOCS_DIR = Path(__file__).resolve().parent / "eval_docs"
 ALL_DOCS = ("handbook", "report", "narrative", "manual")
@@ -106,15 +105,9 @@ def baseline_cached(model, doc: Document, questions: list[Question], config: Tra
     the questions, the cartridge's size and initialization, and the reply length only."""
     if name == "cartridge":
         return run()
-    blob = json.dumps([model.fingerprint, doc.text, [q.cache_key() for q in questions], name, config.num_tokens,
-                       config.num_frozen, config.init, args.max_reply], sort_keys=True).encode()
-    path = args.cartridge_dir / f"{doc.name}-{name}-{hashlib.sha256(blob).hexdigest()[:12]}.json"
-    if path.exists():
-        return {**json.loads(path.read_text()), "cached": True}
-    result = run()
-    args.cartridge_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result))
-    return result
+    key = [model.fingerprint, doc.text, [q.cache_key() for q in questions], name, config.num_tokens,
+           config.num_frozen, config.init, args.max_reply]
+    return cached_result(args.cartridge_dir, f"{doc.name}-{name}", key, run)
 
 
 def init_cartridge(model, doc: Document, config: TrainConfig) -> Cartridge:
@@ -380,7 +373,7 @@ def main() -> int:
     for seed in seeds:
         if len(seeds) > 1:
             print(f"== seed {seed}", file=sys.stderr)
-        reports[seed] = run_suite(model, docs, dataclasses.replace(config, seed=seed), args)
+        reports[seed] = run_suite(model, docs, config.replace(seed=seed), args)
     if len(seeds) == 1:
         report = reports[seeds[0]]
     else:

@@ -23,7 +23,6 @@ A bar chart per document (one group of bars per section) goes to --plot-dir.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import sys
@@ -38,8 +37,8 @@ import cartridges
 from cartridges.cartridge import Cartridge
 from cartridges.selfstudy import Corpus, TrainConfig
 from cartridges.training import init_params
-from evaluation import (Condition, Question, add_recovered, check_question, document_prompt, evaluate, evaluate_each,
-                        for_text, get_cartridge, kv_bytes_per_token, parse_overrides, recovered, suite_arguments,
+from evaluation import (Condition, Question, add_recovered, cached_result, check_question, document_prompt, evaluate,
+                        evaluate_each, for_text, get_cartridge, kv_bytes_per_token, parse_overrides, recovered, suite_arguments,
                         summary, truncated_document)
 
 DOCS_DIR = Path(__file__).resolve().parent / "eval_docs" / "long"
@@ -180,15 +179,9 @@ def cached(model, doc: LongDocument, questions: list[Question], config: TrainCon
     --cartridge-dir under a key of what it depends on: the model, the corpus, the questions,
     the reply length and, for init, the cartridge's length and initialization."""
     init = [config.num_tokens, config.num_frozen, config.init] if name == "init" else None
-    blob = json.dumps([model.fingerprint, doc.text, [q.cache_key() for q in questions], name, init, args.max_reply,
-                       RETRIEVAL_CHUNK_TOKENS, RETRIEVAL_TOP_K], sort_keys=True).encode()
-    path = args.cartridge_dir / f"long-{doc.name}-{name}-{hashlib.sha256(blob).hexdigest()[:12]}.json"
-    if path.exists():
-        return {**json.loads(path.read_text()), "cached": True}
-    result = run()
-    args.cartridge_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result))
-    return result
+    key = [model.fingerprint, doc.text, [q.cache_key() for q in questions], name, init, args.max_reply,
+           RETRIEVAL_CHUNK_TOKENS, RETRIEVAL_TOP_K]
+    return cached_result(args.cartridge_dir, f"long-{doc.name}-{name}", key, run)
 
 
 def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split: str) -> dict[str, Any]:

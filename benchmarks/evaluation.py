@@ -23,18 +23,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 import torch
 
 import cartridges
 import cartridges_core
 from cartridges.cartridge import Cartridge
-from cartridges.jobs.config import field_types
 from cartridges.models.tokenizer import common_prefix_len
 from cartridges.selfstudy import Corpus, TrainConfig
+from cartridges.selfstudy.config import describe
 from cartridges.selfstudy.prompts import SYSTEM_PROMPT
 
 # TrainConfig fields that change training but not synthesis.
-TRAINING_ONLY_FIELDS = {"lr", "anchor", "epochs", "batch_size", "grad_accum", "cosine", "warmup", "layer_scaled_lr",
+TRAINING_ONLY_FIELDS = {"learning_rate", "anchor", "epochs", "batch_size", "grad_accum", "cosine", "warmup", "layer_scaled_lr",
                         "channel_scaled_lr", "loss_weighting", "checkpoint_every", "companion_every", "num_frozen",
                         "init", "num_tokens"}
 
@@ -134,7 +136,7 @@ def context_prompts(model, questions: list[Question], cond: Condition) -> tuple[
             # The system prompt is the same for every question: its KV is computed once, as a
             # prefix (the same numbers as prefilling it with each question, a fraction of the
             # time). Behind cartridges it stays in the prompt, where it attends to them.
-            prefixes.append(model.core.prefix_from_tokens(torch.tensor(prompts[0][:shared], dtype=torch.long)))
+            prefixes.append(model.native.prefix_from_tokens(torch.tensor(prompts[0][:shared], dtype=torch.long)))
             prompts = [p[shared:] for p in prompts]
     return prompts, prefixes, kv_tokens
 
@@ -164,7 +166,7 @@ def truncated_document(model, text: str, kv_tokens: int) -> tuple[str, int]:
 def token_logprobs(model, tokens: list[int], prefixes: list[Any]) -> torch.Tensor:
     """[T - 1]: log p(tokens[t] | prefixes, tokens[<t]) for t >= 1, the prefixes concatenated."""
     with torch.no_grad():
-        logits = model.core.forward(torch.tensor([tokens]), prefixes=[prefixes] if prefixes else None)[0]
+        logits = model.native.forward(torch.tensor([tokens]), prefixes=[prefixes] if prefixes else None)[0]
     logp = torch.log_softmax(logits[:-1].float(), -1)
     return logp.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
 
@@ -281,9 +283,22 @@ def add_recovered(conds: dict[str, dict], full: str) -> dict:
 # -- cartridges -----------------------------------------------------------------------------
 
 def kv_bytes_per_token(model) -> int:
-    c = model.core.config
+    c = model.native.config
     element = torch.empty((), dtype=getattr(torch, model.dtype)).element_size()
     return c.num_layers * 2 * c.num_kv_heads * c.head_dim * element
+
+
+def cached_result(directory: Path, stem: str, key: list, run) -> dict:
+    """`run()`'s figures, kept in `directory` as STEM-HASH.json under a hash of `key` (all that
+    they depend on) and read from there when a run with the same key made them before."""
+    blob = json.dumps(key, sort_keys=True).encode()
+    path = directory / f"{stem}-{hashlib.sha256(blob).hexdigest()[:12]}.json"
+    if path.exists():
+        return {**json.loads(path.read_text()), "cached": True}
+    result = run()
+    directory.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result))
+    return result
 
 
 def cartridge_key(model, text: str, config: TrainConfig) -> str:
@@ -344,21 +359,19 @@ def get_cartridge(model, name: str, text: str, config: TrainConfig, directory: P
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """--set FIELD=VALUE items as TrainConfig fields of their types."""
-    types = field_types()
-    out: dict[str, Any] = {}
+    """--set FIELD=VALUE items as TrainConfig fields of their types ("none" for a field that
+    may be left to the corpus); a bad field or value stops with what is wrong."""
+    raw: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or key not in types:
-            raise SystemExit(f"--set takes FIELD=VALUE with a TrainConfig field ({', '.join(types)}); got {item!r}")
-        kind, nullable = types[key]
-        if nullable and value.lower() in ("none", "null"):
-            out[key] = None
-        elif kind is bool:
-            out[key] = value.lower() in ("1", "true", "yes", "on")
-        else:
-            out[key] = kind(value)
-    return out
+        if not sep:
+            raise SystemExit(f"--set takes FIELD=VALUE with a TrainConfig field; got {item!r}")
+        raw["learning_rate" if key == "lr" else key] = None if value.lower() in ("none", "null") else value
+    try:
+        parsed = TrainConfig.model_validate(raw, strict=False)  # the strings as their fields' types
+    except ValidationError as error:
+        raise SystemExit(f"--set: {describe(error)} (fields: {', '.join(TrainConfig.model_fields)})") from None
+    return {key: getattr(parsed, key) for key in raw}
 
 
 def suite_arguments(description: str, docs_dir: Path, all_docs: tuple[str, ...],

@@ -3,11 +3,15 @@
 #include <pybind11/stl.h>
 
 #include "cartridges/cartridge.h"
+#include "cartridges/compute.h"
 #include "common.h"
 
 namespace cartridges::bindings {
 
-void bind_training(py::module_& m) {
+namespace {
+
+// The trainable prefix, training data and the distillation loss.
+void bind_cartridge_params_and_data(py::module_& m) {
   py::class_<CartridgeParams>(m, "CartridgeParams",
                               "Trainable prefix: float32 frozen and trainable keys/values per layer [H_kv, n, D].")
       .def(py::init(&CartridgeParams::from_prefix), py::arg("prefix"), py::arg("num_frozen") = 1)
@@ -60,10 +64,13 @@ void bind_training(py::module_& m) {
       },
       py::arg("model"), py::arg("params"), py::arg("data"),
         py::arg("rows"), py::arg("companion") = nullptr, py::arg("companion_every") = 0,
-        py::call_guard<py::gil_scoped_release>(),
+        py::call_guard<py::gil_scoped_release, ComputeLock>(),
         "(loss summed over the rows' targets, differentiable w.r.t. params' trainable tensors; target count). "
         "Rows r with r % companion_every == 0 have `companion` in front of the cartridge.");
+}
 
+// Adam, the training loop's options, its progress and result.
+void bind_optimizer_and_options(py::module_& m) {
   py::class_<Adam>(m, "Adam")
       .def(py::init([](std::vector<at::Tensor> params, double lr, double beta1, double beta2, double eps,
                        double anchor, std::vector<double> lr_scales, std::vector<at::Tensor> channel_scales) {
@@ -80,7 +87,8 @@ void bind_training(py::module_& m) {
   py::class_<TrainOptions>(m, "TrainOptions")
       .def(py::init<>())
       .def_property(
-          "lr", [](const TrainOptions& o) { return o.adam.lr; }, [](TrainOptions& o, double v) { o.adam.lr = v; })
+          "learning_rate", [](const TrainOptions& o) { return o.adam.lr; },
+          [](TrainOptions& o, double v) { o.adam.lr = v; }, "see TrainConfig.learning_rate")
       .def_property(
           "anchor", [](const TrainOptions& o) { return o.adam.anchor; },
           [](TrainOptions& o, double v) { o.adam.anchor = v; }, "see TrainConfig.anchor")
@@ -93,8 +101,8 @@ void bind_training(py::module_& m) {
       .def_readwrite("channel_scaled_lr", &TrainOptions::channel_scaled_lr, "see TrainConfig.channel_scaled_lr")
       .def_readwrite("seed", &TrainOptions::seed)
       .def_property(
-          "weighting", [](const TrainOptions& o) { return std::string(loss_weighting_name(o.weighting)); },
-          [](TrainOptions& o, const std::string& name) { o.weighting = parse_loss_weighting(name); },
+          "loss_weighting", [](const TrainOptions& o) { return std::string(loss_weighting_name(o.loss_weighting)); },
+          [](TrainOptions& o, const std::string& name) { o.loss_weighting = parse_loss_weighting(name); },
           "How a step's loss is averaged: \"step\", \"token\" or \"row\" (see TrainConfig.loss_weighting).")
       .def_readwrite("checkpoint_path", &TrainOptions::checkpoint_path)
       .def_readwrite("checkpoint_every", &TrainOptions::checkpoint_every)
@@ -118,7 +126,10 @@ void bind_training(py::module_& m) {
       .def_readonly("steps", &TrainResult::steps)
       .def_readonly("cancelled", &TrainResult::cancelled)
       .def_readonly("losses", &TrainResult::losses);
+}
 
+// Cancellation, the training loop, and what it derives (scales, order, length groups).
+void bind_training_loop(py::module_& m) {
   py::class_<CancelToken, std::shared_ptr<CancelToken>>(m, "CancelToken")
       .def(py::init<>())
       .def("cancel", [](CancelToken& t) { t.requested = true; })
@@ -162,6 +173,14 @@ void bind_training(py::module_& m) {
       py::arg("lengths"), py::arg("overhead") = kLengthGroupOverhead,
       "Row indices split into groups of similar length for padded forwards: the cheapest split of the rows "
       "sorted by length when a group costs its rows times its longest row plus `overhead`.");
+}
+
+}  // namespace
+
+void bind_training(py::module_& m) {
+  bind_cartridge_params_and_data(m);
+  bind_optimizer_and_options(m);
+  bind_training_loop(m);
 }
 
 }  // namespace cartridges::bindings

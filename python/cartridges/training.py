@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -13,9 +12,10 @@ import torch
 
 import cartridges_core
 
-from .cartridge import Cartridge, core_model, model_fingerprint
+from .cartridge import Cartridge, native_model, model_fingerprint
 from .quality import copy_params, quality_report
 from .selfstudy import Corpus, TrainConfig, next_token_data, synthesize, training_data
+from .selfstudy.config import CORE_TRAINING_FIELDS
 from .selfstudy.checkpoint import load_conversations, save_conversations
 from .selfstudy.prompts import UNRELATED_TEXT
 from .selfstudy.chunking import part_of
@@ -49,31 +49,22 @@ def init_params(model: Any, corpus: Corpus, config: TrainConfig) -> cartridges_c
         tokens = unrelated_tokens(model, config.num_tokens)
     if len(tokens) <= config.num_frozen:
         raise ValueError(f"a cartridge needs more than num_frozen={config.num_frozen} tokens; the corpus has {len(tokens)}")
-    prefix = core_model(model).prefix_from_tokens(torch.tensor(tokens, dtype=torch.long))
+    prefix = native_model(model).prefix_from_tokens(torch.tensor(tokens, dtype=torch.long))
     return cartridges_core.CartridgeParams(prefix, config.num_frozen)
 
 
-def companion_fits(core: Any, config: TrainConfig, params: cartridges_core.CartridgeParams) -> bool:
+def companion_fits(native: Any, config: TrainConfig, params: cartridges_core.CartridgeParams) -> bool:
     """Whether conversations are trained behind a companion (config.companion_every): only when
     the two prefixes take at most half the model's context, leaving the rest to conversations
     (a cartridge that long is not meant to be composed)."""
-    return bool(config.companion_every) and 4 * params.num_tokens <= core.config.max_position_embeddings
+    return bool(config.companion_every) and 4 * params.num_tokens <= native.config.max_position_embeddings
 
 
 def train_options(config: TrainConfig) -> cartridges_core.TrainOptions:
     """The C++ loop's options from the config's training fields (companion and checkpoint apart)."""
     options = cartridges_core.TrainOptions()
-    options.lr = config.lr
-    options.anchor = config.anchor
-    options.epochs = config.epochs
-    options.batch_size = config.batch_size
-    options.grad_accum = config.grad_accum
-    options.cosine = config.cosine
-    options.warmup = config.warmup
-    options.layer_scaled_lr = config.layer_scaled_lr
-    options.channel_scaled_lr = config.channel_scaled_lr
-    options.weighting = config.loss_weighting
-    options.seed = config.seed
+    for name in CORE_TRAINING_FIELDS:
+        setattr(options, name, getattr(config, name))
     return options
 
 
@@ -92,7 +83,7 @@ def prepare_data(
     """The training data for `config.objective`: `prepare_datasets`'s first half, without
     making held-out conversations (the training data is the same either way).
     `checkpointing`: `prepare_datasets`'s synthesis_checkpoint, resume and cancel."""
-    config = dataclasses.replace(config, quality_samples=0)
+    config = config.for_corpus(len(corpus)).replace(quality_samples=0)
     return prepare_datasets(model, corpus, config, prefix_tokens, on_progress, **checkpointing)[0]
 
 
@@ -121,8 +112,10 @@ def prepare_datasets(
     run from their own random stream, never trained on (None when quality_samples is 0 or the
     objective is next_token). With `synthesis_checkpoint`, the conversations so far (training
     ones first, then held-out ones) are saved after each batch (and `resume` continues from
-    them); `cancel` is checked between batches (TrainingCancelled)."""
-    config = config.for_corpus(len(corpus))
+    them); `cancel` is checked between batches (TrainingCancelled). `config` is decided for
+    the corpus already (`TrainConfig.for_corpus`)."""
+    if config.num_tokens is None or config.num_samples is None:
+        raise ValueError("prepare_datasets needs a config decided for the corpus: config.for_corpus(len(corpus))")
     if config.objective == "distill":
         report = (lambda done, total: on_progress("synthesis", done, total)) if on_progress else None
         done = []
@@ -149,7 +142,7 @@ def prepare_datasets(
         parts = [part_of(c.chunk_span, len(corpus)) for c in held_part] if known else None
         return Datasets(training_data(model, train_part, prefix_tokens), held_out,
                         signal_by_part(train_part, len(corpus)), parts)
-    return Datasets(next_token_data(corpus, config, core_model(model).config.max_position_embeddings), None, None,
+    return Datasets(next_token_data(corpus, config, native_model(model).config.max_position_embeddings), None, None,
                     None)
 
 
@@ -158,6 +151,52 @@ _DATA_FIELDS = ("tokens", "lengths", "target_mask", "topk_ids", "topk_logprobs")
 
 def _data_dict(data: cartridges_core.TrainingData) -> dict[str, torch.Tensor]:
     return {n: getattr(data, n) for n in _DATA_FIELDS}
+
+
+def _save_datasets(path: Path, datasets: Datasets) -> None:
+    """The synthesized datasets in one file, written whole or not at all (a resume never reads
+    half a file)."""
+    saved = _data_dict(datasets.data)
+    if datasets.held_out is not None:
+        saved["held_out"] = _data_dict(datasets.held_out)
+    if datasets.signal_by_part is not None:
+        saved["signal_by_part"] = torch.tensor(datasets.signal_by_part, dtype=torch.float64)
+    if datasets.held_out_parts is not None:
+        saved["held_out_parts"] = torch.tensor(datasets.held_out_parts, dtype=torch.long)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(saved, tmp)
+    os.replace(tmp, path)
+
+
+def _load_datasets(path: Path) -> Datasets:
+    """What `_save_datasets` wrote."""
+    saved = torch.load(path, weights_only=True)
+    held = saved.pop("held_out", None)
+    signal = saved.pop("signal_by_part", None)
+    parts = saved.pop("held_out_parts", None)
+    return Datasets(cartridges_core.TrainingData(**saved),
+                    cartridges_core.TrainingData(**held) if held is not None else None,
+                    signal.tolist() if signal is not None else None,
+                    parts.tolist() if parts is not None else None)
+
+
+def _loop_options(model: Any, config: TrainConfig, params: cartridges_core.CartridgeParams,
+                  data: cartridges_core.TrainingData, checkpoint: str | os.PathLike[str] | None,
+                  resume: bool) -> cartridges_core.TrainOptions:
+    """The C++ loop's options: the config's training fields, the companion when it fits, and
+    the checkpoint's path and cadence."""
+    native = native_model(model)
+    options = train_options(config)
+    if companion_fits(native, config, params):
+        # The stand-in for another cartridge in front: KV of unrelated text, as long as this one.
+        companion = unrelated_tokens(model, params.num_tokens)
+        options.companion = native.prefix_from_tokens(torch.tensor(companion, dtype=torch.long))
+        options.companion_every = config.companion_every
+    if checkpoint is not None:
+        options.checkpoint_path = str(checkpoint)
+        options.checkpoint_every = config.checkpoint_every or options.total_steps(data.tokens.shape[0])
+        options.resume = resume
+    return options
 
 
 class _Bar:
@@ -192,9 +231,11 @@ class _Bar:
             self.bar = None
 
 
+# Longer than 60 lines for its docstring and the order of the stages (data, loop options, training,
+# quality report) with their timings; each stage is a function of its own.
 def train(
     model: Any,
-    texts: str | Sequence[str],
+    texts: str | Sequence[str] | Corpus,
     config: TrainConfig | None = None,
     progress: bool = True,
     *,
@@ -205,7 +246,8 @@ def train(
     data: cartridges_core.TrainingData | None = None,
     held_out: cartridges_core.TrainingData | None = None,
 ) -> Cartridge:
-    """Train a cartridge for `texts` on `model` by self-study.
+    """Train a cartridge for `texts` on `model` by self-study. `texts` is one text, several
+    (joined as `Corpus.from_texts` joins them) or a `Corpus` tokenized already.
 
     `progress` shows a bar (stage, step, loss) in a terminal or notebook; `on_progress(stage,
     done, total, loss)` is called as well, stage being "synthesis" or "training". With
@@ -223,10 +265,11 @@ def train(
     `cartridges.quality.quality_report`; None when quality_samples is 0, for the next_token
     objective, or when training was cancelled), which `save` also writes into the file."""
     config = config or TrainConfig()
-    if isinstance(texts, str):
-        texts = [texts]
-    core = core_model(model)
-    corpus = Corpus.from_texts(model.tokenizer, texts)
+    native = native_model(model)
+    if isinstance(texts, Corpus):
+        corpus = texts
+    else:
+        corpus = Corpus.from_texts(model.tokenizer, [texts] if isinstance(texts, str) else texts)
     config = config.for_corpus(len(corpus))  # the cartridge records the number of conversations made
     bar = _Bar(progress, on_progress)
     quality = None
@@ -237,54 +280,29 @@ def train(
         synthesis_path = Path(f"{checkpoint}.synthesis.pt") if checkpoint is not None else None
         t0 = time.perf_counter()
         if resume and data_path is not None and data_path.exists():
-            saved = torch.load(data_path, weights_only=True)
-            held = saved.pop("held_out", None)
-            signal = saved.pop("signal_by_part", None)
-            signal = signal.tolist() if signal is not None else None
-            parts = saved.pop("held_out_parts", None)
-            parts = parts.tolist() if parts is not None else None
-            data = cartridges_core.TrainingData(**saved)
-            held_out = cartridges_core.TrainingData(**held) if held is not None else None
+            data, held_out, signal, parts = _load_datasets(data_path)
         elif data is None:
             # Conversations trained behind the companion have both prefixes in front.
-            prefix_tokens = params.num_tokens * (2 if companion_fits(core, config, params) else 1)
+            prefix_tokens = params.num_tokens * (2 if companion_fits(native, config, params) else 1)
             data, held_out, signal, parts = prepare_datasets(model, corpus, config, prefix_tokens, bar.update,
                                                              synthesis_checkpoint=synthesis_path, resume=resume,
                                                              cancel=cancel)
         if data_path is not None and not (resume and data_path.exists()):
-            saved = _data_dict(data)
-            if held_out is not None:
-                saved["held_out"] = _data_dict(held_out)
-            if signal is not None:
-                saved["signal_by_part"] = torch.tensor(signal, dtype=torch.float64)
-            if parts is not None:
-                saved["held_out_parts"] = torch.tensor(parts, dtype=torch.long)
-            tmp = data_path.with_name(data_path.name + ".tmp")
-            torch.save(saved, tmp)
-            os.replace(tmp, data_path)  # whole or absent: a resume never reads half a file
+            _save_datasets(data_path, Datasets(data, held_out, signal, parts))
             if synthesis_path is not None:
                 synthesis_path.unlink(missing_ok=True)  # the data supersedes it
         t1 = time.perf_counter()
 
-        options = train_options(config)
-        if companion_fits(core, config, params):
-            # The stand-in for another cartridge in front: KV of unrelated text, as long as this one.
-            companion = unrelated_tokens(model, params.num_tokens)
-            options.companion = core.prefix_from_tokens(torch.tensor(companion, dtype=torch.long))
-            options.companion_every = config.companion_every
-        if checkpoint is not None:
-            options.checkpoint_path = str(checkpoint)
-            options.checkpoint_every = config.checkpoint_every or options.total_steps(data.tokens.shape[0])
-            options.resume = resume
+        options = _loop_options(model, config, params, data, checkpoint, resume)
 
         def report(p: cartridges_core.TrainProgress) -> None:
             bar.update("training", p.step, p.total, p.loss)
 
         init = copy_params(params) if held_out is not None else None
-        result = cartridges_core.train_cartridge(core, params, data, options, report, cancel)
+        result = cartridges_core.train_cartridge(native, params, data, options, report, cancel)
         t2 = time.perf_counter()
         if init is not None and not result.cancelled:
-            quality = quality_report(core, params, init, held_out, config.batch_size, parts)
+            quality = quality_report(native, params, init, held_out, config.batch_size, parts)
         t3 = time.perf_counter()
     finally:
         bar.close()

@@ -54,7 +54,7 @@ def test_train_watch_list_delete(jobs_server: LiveServer, alice) -> None:
     assert block["id"] == f"{block['owner']}/handbook/{run_id}" and block["project"] == "handbook"
     assert len(run_id) >= 8 and run_id.isalnum() and run_id == run_id.lower()
     assert block["training_files"] == [file_id]
-    assert block["config"]["lr"] == 0.05 and block["config"]["num_samples"] == 8
+    assert block["config"]["learning_rate"] == 0.05 and block["config"]["num_samples"] == 8
     assert block["config"]["objective"] == "distill"  # defaults filled in
     assert block["num_tokens"] == 8 and block["bytes"] is None and block["error"] is None
     assert block["progress"]["stage"] == "queued" and block["started_at"] is None
@@ -77,7 +77,7 @@ def test_train_watch_list_delete(jobs_server: LiveServer, alice) -> None:
 
     # The cartridge is whole, for the server's model, and outlives its training file.
     cartridge = stored_cartridge(jobs_server, block["id"])
-    assert cartridge.num_tokens == 8 and cartridge.config["lr"] == 0.05
+    assert cartridge.num_tokens == 8 and cartridge.config["learning_rate"] == 0.05
     jobs_server.openai(key).files.delete(file_id)
     assert client.datablocks.retrieve(block["id"])["status"] == "succeeded"
     assert stored_cartridge(jobs_server, block["id"]).checksum() == cartridge.checksum()
@@ -143,6 +143,11 @@ def test_every_bad_input_is_answered(jobs_server: LiveServer) -> None:
     }
     for name, (body, status, code) in cases.items():
         assert _bad(jobs_server, key, "POST", train, json=body) == (status, code), name
+    # A config's error names the field, as OpenAI names nested parameters.
+    for config, param in (({"epochs": 0}, "config.epochs"), ({"lr": -1}, "config.lr"),
+                          ({"num_tokens": 8, "num_frozen": 8}, "config")):
+        response = jobs_server.http(key).post(train, json={"training_file": good, "config": config})
+        assert (response.status_code, response.json()["error"]["param"]) == (400, param), response.text
     assert _bad(jobs_server, key, "POST", train, content=b"{oops", headers={"Content-Type": "application/json"}) == (
         400, "invalid_json")
     assert _bad(jobs_server, key, "GET", "/v1/datablocks", params={"status": "done"})[0] == 400

@@ -3,11 +3,12 @@ synthesizing and training; kill -9 of the server mid-synthesis and mid-training 
 resumes from its checkpoints to the very cartridge of an uninterrupted run); kill -9 of the
 worker alone (the server stays up, the job fails with the reason, the next one runs).
 
-CARTRIDGES_JOB_STEP_DELAY_S slows each synthesis batch and training step so that the tests
-can act while a stage is in progress."""
+The server runs with slow_jobs/ on its PYTHONPATH, whose sitecustomize slows each synthesis
+batch and training step of its jobs so that the tests can act while a stage is in progress."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from .tiny_hf_model import DOCUMENT, TINY_TRAIN_CONFIG
 pytestmark = pytest.mark.slow
 
 STEP_DELAY_S = 0.3
+SLOW_JOBS = Path(__file__).parent / "slow_jobs"
 # 8 synthesis batches and 8 training steps, each at least STEP_DELAY_S; checkpoints every 2 steps.
 SLOW_CONFIG = {**TINY_TRAIN_CONFIG, "num_samples": 16, "checkpoint_every": 2, "seed": 3}
 
@@ -32,7 +34,8 @@ SLOW_CONFIG = {**TINY_TRAIN_CONFIG, "num_samples": 16, "checkpoint_every": 2, "s
 @pytest.fixture
 def slow_server(tmp_path: Path, tiny_model_dir: Path) -> Iterator[LiveServer]:
     live = LiveServer(tmp_path / "data", model=tiny_model_dir,
-                      env={"CARTRIDGES_JOB_STEP_DELAY_S": str(STEP_DELAY_S), "CARTRIDGES_WORKER_THREADS": "1"})
+                      env={"SLOW_JOB_STEP_S": str(STEP_DELAY_S), "CARTRIDGES_WORKER_THREADS": "1",
+                           "PYTHONPATH": os.pathsep.join(filter(None, [str(SLOW_JOBS), os.environ.get("PYTHONPATH")]))})
     live.start()
     try:
         yield live

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from cartridges import Cartridge
-from cartridges.jobs import Supervisor, train_config_from_request
+from cartridges.jobs import Supervisor
+from cartridges.selfstudy.config import TrainConfig
 from cartridges.jobs.supervisor import MAX_ATTEMPTS
 from cartridges.jobs.worker import _training_texts, run_job
 from cartridges.store import core, open_store
@@ -34,7 +35,7 @@ def queue_job(store, model_dir: Path) -> tuple[object, str, str]:
     writer = store.begin_blob()
     writer.write(DOCUMENT.encode())
     file_id = store.create_file(owner, writer, "doc.txt", "cartridge-training").id  # status: uploaded
-    config = train_config_from_request(TINY_TRAIN_CONFIG)
+    config = TrainConfig.model_validate(TINY_TRAIN_CONFIG)
     block = store.create_datablock(owner, project="default", model="tiny", model_path=str(model_dir),
                                    training_files=[file_id], config=json.dumps(config.to_dict()),
                                    num_tokens=config.num_tokens)
@@ -59,7 +60,7 @@ def test_a_file_still_processing_is_waited_for(store, tiny_model_dir: Path) -> N
     assert record.fingerprint and record.attempts == 1
     # The quality report (docs/api.md §2 metrics.quality), also in the stored cartridge's file.
     quality = json.loads(record.metrics)["quality"]
-    assert quality["held_out_conversations"] == train_config_from_request(TINY_TRAIN_CONFIG).quality_samples
+    assert quality["held_out_conversations"] == TrainConfig.model_validate(TINY_TRAIN_CONFIG).quality_samples
     assert set(quality) >= {"loss", "init_loss", "teacher_floor", "recovered", "better_than_init"}
     shares = json.loads(record.metrics)["signal_by_part"]  # where in the corpus the training signal came from
     assert len(shares) == 10 and abs(sum(shares) - 1) < 1e-9

@@ -39,8 +39,8 @@ def test_untrained_corpus_cartridge_equals_corpus_in_context(model):
     corpus = model.tokenizer.encode(text)
     assert cart.num_tokens == len(corpus) and cart.num_frozen == 1
     conversation = model.tokenizer.encode_chat([{"role": "user", "content": "When was it lit?"}])
-    in_context = model.core.forward(torch.tensor([corpus + conversation]))[0, len(corpus):]
-    with_cartridge = model.core.forward(torch.tensor([conversation]), prefixes=[[cart.prefix(model)]])[0]
+    in_context = model.native.forward(torch.tensor([corpus + conversation]))[0, len(corpus):]
+    with_cartridge = model.native.forward(torch.tensor([conversation]), prefixes=[[cart.prefix(model)]])[0]
     assert (in_context - with_cartridge).abs().max() <= 1e-4
 
 
@@ -119,7 +119,7 @@ def test_bad_files_are_refused(model, tmp_path):
     with pytest.raises(CartridgeFileError, match="trained for model"):
         Cartridge.load(path, other)
     wider = tiny_model(context=512)
-    wider.core = cartridges_core.LlamaModel(
+    wider.native = cartridges_core.LlamaModel(
         _with(wider.config, num_layers=3), _three_layers(wider.weights), "cpu", "float32"
     )
     with pytest.raises(CartridgeFileError, match="does not fit"):
@@ -186,7 +186,7 @@ def test_train_and_chat_commands(model, tmp_path, monkeypatch, capsys):
     class Chatty:  # the chat command's needs, on the tiny model
         name = "tiny"
         fingerprint = model.fingerprint
-        core = model.core
+        native = model.native
 
         def stream_chat(self, messages, cartridges=(), composition="mixture", **kw):
             assert [p.num_tokens for p in cartridges] == [16, 16]

@@ -48,7 +48,7 @@ def test_teacher_topk_equals_window_in_context(model):
         # The teacher's targets are its top-k with the window (which holds the chunk) in context.
         assert c.chunk in c.window
         prompt = synth.prompt(c.window, c.question)
-        logits = model.core.forward(torch.tensor([prompt + c.answer]))[0, len(prompt) - 1 : -1]
+        logits = model.native.forward(torch.tensor([prompt + c.answer]))[0, len(prompt) - 1 : -1]
         values, ids = torch.log_softmax(logits, -1).topk(config.top_k, -1)
         assert c.topk_ids.shape == (len(c.answer), config.top_k)
         torch.testing.assert_close(c.topk_logprobs, values, rtol=1e-4, atol=1e-4)

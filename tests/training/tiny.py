@@ -76,9 +76,9 @@ def random_weights(c: cartridges_core.LlamaConfig, seed: int = 0) -> dict[str, t
 
 @dataclass
 class TinyModel:
-    """What train() and Cartridge need of a model: .core, .tokenizer, .fingerprint."""
+    """What train() and Cartridge need of a model: .native, .tokenizer, .fingerprint."""
 
-    core: cartridges_core.LlamaModel
+    native: cartridges_core.LlamaModel
     tokenizer: CharTokenizer
     fingerprint: str
     weights: dict[str, torch.Tensor]

@@ -105,12 +105,14 @@ enum class LossWeighting { kStep, kToken, kRow };
 const char* loss_weighting_name(LossWeighting w);
 LossWeighting parse_loss_weighting(const std::string& name);
 
+// The training loop's settings. The defaults are TrainConfig's (python/cartridges/selfstudy/
+// config.py, where each is explained); tests/training/test_config.py checks that they agree.
 struct TrainOptions {
   AdamOptions adam;             // lr 2e-2 by default
-  int64_t epochs = 1;           // passes over the data
+  int64_t epochs = 2;           // passes over the data
   int64_t batch_size = 4;       // conversations per forward/backward (micro-batch)
   int64_t grad_accum = 1;       // micro-batches per optimizer step
-  bool cosine = false;          // cosine decay of lr from adam.lr to 0 (after the warmup)
+  bool cosine = true;           // cosine decay of lr from adam.lr to 0 (after the warmup)
   // Share of the run's steps, W = round(warmup x total) (at least 1 when warmup > 0), over which
   // the lr rises linearly to adam.lr: step s (0-based) < W takes adam.lr x (s + 1) / W. Adam's
   // first steps move every element by about the full lr whatever the gradient's noise; a warmup
@@ -122,14 +124,14 @@ struct TrainOptions {
   // kToken: the step's summed loss over the run's mean targets per step, so every target token
   // weighs the same wherever it falls. kRow: each row's mean over its own targets, averaged over
   // the step's rows, so every conversation weighs the same, a short answer as much as a long one.
-  LossWeighting weighting = LossWeighting::kStep;
+  LossWeighting loss_weighting = LossWeighting::kStep;
   // Each layer's keys (values) step at lr x their initial RMS / the RMS of all the cartridge's
   // keys (values): every layer moves by the same share of its size (layer_lr_scales).
-  bool layer_scaled_lr = false;
+  bool layer_scaled_lr = true;
   // With layer_scaled_lr, finer: each channel (layer, head and dimension) of the keys (values)
   // steps at lr x its initial RMS over the tokens / the RMS of all the cartridge's keys (values)
   // (channel_lr_scales). Within a head, SmolLM2's key dimensions differ in size ~16x, its values' ~3x.
-  bool channel_scaled_lr = false;
+  bool channel_scaled_lr = true;
   std::string checkpoint_path;  // empty: no checkpoints
   int64_t checkpoint_every = 0; // steps between checkpoints (and one at the end); 0: never
   bool resume = false;          // start from checkpoint_path when it exists

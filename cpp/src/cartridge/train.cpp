@@ -196,6 +196,8 @@ std::vector<at::Tensor> channel_lr_scales(const CartridgeParams& params) {
   return scales;
 }
 
+// Longer than 60 lines: the parts of an optimizer step (the epoch's order, micro-batches, length
+// groups, weighting, cancellation, checkpoint) share the step's state; apart they would pass it all.
 TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, const TrainingData& data,
                             const TrainOptions& options, const ProgressCallback& on_progress,
                             const std::atomic<bool>* cancel) {
@@ -239,8 +241,8 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
     const int64_t begin = j * per_step, end = std::min(begin + per_step, n);
     int64_t step_targets = 0;
     for (int64_t i = begin; i < end; ++i) step_targets += counts_a[order[i]];
-    const double divisor = options.weighting == LossWeighting::kToken ? mean_step_targets
-                           : options.weighting == LossWeighting::kRow ? static_cast<double>(end - begin)
+    const double divisor = options.loss_weighting == LossWeighting::kToken ? mean_step_targets
+                           : options.loss_weighting == LossWeighting::kRow ? static_cast<double>(end - begin)
                                                                       : static_cast<double>(step_targets);
 
     double step_loss = 0.0;
@@ -256,7 +258,7 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
         auto losses =
             distillation_target_losses(model, params, data, group, options.companion, options.companion_every);
         auto loss_sum = losses.sum();
-        if (options.weighting == LossWeighting::kRow) {
+        if (options.loss_weighting == LossWeighting::kRow) {
           // Each target weighs 1 / its row's targets: every row's mean counts once.
           std::vector<float> weights;
           for (int64_t r : group) weights.insert(weights.end(), counts_a[r], 1.0f / static_cast<float>(counts_a[r]));

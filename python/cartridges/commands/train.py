@@ -4,61 +4,58 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import fields
+import typing
 from pathlib import Path
+from typing import Any
 
 from . import add_model_argument, load_model_or_report
 
+# Other names a flag answers to (the field's own name is the flag).
+FLAG_ALIASES = {"learning_rate": ["--lr"]}
 
-def _options():
-    from ..selfstudy.config import TrainConfig
 
-    return list(fields(TrainConfig))
+def _config_argument(parser: argparse.ArgumentParser, name: str, info: Any, summary: str) -> None:
+    """The flag of TrainConfig field `name`: its type, choices and default from the field."""
+    from ..selfstudy.config import DECIDED_FROM_CORPUS
+
+    flags = ["--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, [])]
+    summary = summary.replace("%", "%%")  # argparse formats help with %
+    kind = info.annotation
+    if typing.get_origin(kind) is not typing.Literal and typing.get_args(kind):  # X | None: X
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
+    if info.default is None:
+        parser.add_argument(*flags, dest=name, type=kind, default=None, metavar="N",
+                            help=f"{summary} (default: {DECIDED_FROM_CORPUS[name]})")
+    elif kind is bool:
+        parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=info.default,
+                            help=f"{summary} (default: {info.default})")
+    elif typing.get_origin(kind) is typing.Literal:
+        parser.add_argument(*flags, dest=name, default=info.default, choices=typing.get_args(kind),
+                            help=f"{summary} (default: {info.default})")
+    else:
+        parser.add_argument(*flags, dest=name, type=kind, default=info.default, help=f"{summary} (default: {info.default})")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from ..selfstudy.config import INITS, LOSS_WEIGHTINGS, OBJECTIVES, TrainConfig, field_summaries
+    from ..selfstudy.config import TrainConfig, field_summaries
 
     parser = subparsers.add_parser(
         "train",
         help="train a cartridge for text files by self-study",
         description="Train a cartridge for one or more text files (.txt, .md, or .pdf) by self-study on the "
-        "default model (or --model), and write it as a .safetensors file (or a research .pt with --out X.pt).",
+        "default model (or --model), and write it as a .safetensors file (or a research .pt with --out X.pt). "
+        "Every training setting is a flag; docs/configuration.md explains them.",
     )
-    parser.add_argument("files", nargs="+", metavar="FILE", help="the corpus: text, markdown or PDF files; several are joined in order, each under "
-                        "its file name as a heading")
+    parser.add_argument("files", nargs="+", metavar="FILE", help="the corpus: text, markdown or PDF files; several are "
+                        "joined in order, each under its file name as a heading")
     parser.add_argument("--out", required=True, metavar="CART", help="where to write the cartridge")
     add_model_argument(parser)
     parser.add_argument("--checkpoint", metavar="PATH", help="keep training state here (and resume from it)")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    defaults = TrainConfig()
-    choices = {"init": INITS, "objective": OBJECTIVES, "loss_weighting": LOSS_WEIGHTINGS}
     summaries = field_summaries()
-    for f in fields(TrainConfig):
-        value = getattr(defaults, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "num_tokens":  # its default depends on the corpus
-            parser.add_argument(flag, type=int, default=None, metavar="N",
-                                help="cartridge length in KV tokens (default: an eighth of the corpus, in "
-                                     "multiples of 16, at least 64 and at most 2048)")
-        elif f.name == "num_samples":  # its default depends on the corpus
-            parser.add_argument(flag, type=int, default=None, metavar="N",
-                                help="synthetic conversations (default: one per 10 corpus tokens, in batches "
-                                     "of 16, at least 128 and at most 8192)")
-        elif f.name == "quality_samples":  # its default depends on --num-samples
-            parser.add_argument(flag, type=int, default=None, metavar="N",
-                                help="held-out conversations for the quality report (default: max(8, "
-                                     "num_samples / 16), at most 32; 0: no report)")
-        else:
-            # argparse formats help with %: a literal % in a docstring must be doubled.
-            summary = summaries.get(f.name, "").replace("%", "%%")
-            help_text = f"{summary} (default: {value})".strip()
-            if isinstance(value, bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=help_text)
-            else:
-                parser.add_argument(flag, type=type(value), default=value, choices=choices.get(f.name),
-                                    help=help_text)
+    for name, info in TrainConfig.model_fields.items():
+        _config_argument(parser, name, info, summaries[name])
     parser.set_defaults(run=run)
 
 
@@ -71,15 +68,17 @@ def read_text(path: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from ..cartridge import Cartridge
     from ..selfstudy.chunking import named_texts
-    from ..selfstudy.config import TrainConfig
+    from ..selfstudy.config import TrainConfig, describe
     from ..training import train
 
     try:
-        config = TrainConfig(**{f.name: getattr(args, f.name) for f in _options()})
-    except ValueError as error:  # a value out of its range: say which, with no traceback
-        print(f"error: {error}", file=sys.stderr)
+        config = TrainConfig(**{name: getattr(args, name) for name in TrainConfig.model_fields})
+    except ValidationError as error:  # a value out of its range: say which, with no traceback
+        print(f"error: {describe(error)}", file=sys.stderr)
         return 2
     try:
         texts = named_texts([(Path(p).name, read_text(Path(p))) for p in args.files])
@@ -105,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
         print("training signal by tenth of the corpus: "
               + " ".join(f"{share:.0%}" for share in stats["signal_by_part"]), file=sys.stderr)
     if stats.get("quality") is not None:
-        from ..quality import describe
+        from ..quality import describe as describe_quality
 
-        for line in describe(stats["quality"]):
+        for line in describe_quality(stats["quality"]):
             print(line, file=sys.stderr)
     return 0

@@ -9,8 +9,6 @@ import threading
 import time
 from typing import Any
 
-# Stages of docs/api.md §2; the library's "synthesis" is the API's "synthesizing".
-STAGE_NAMES = {"synthesis": "synthesizing", "training": "training"}
 HEARTBEAT_S = 2.0
 MIN_WRITE_INTERVAL_S = 1.0
 

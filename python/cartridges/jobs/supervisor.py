@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..cores import cpu_cores
+
 from .worker import EXIT_BUSY
 
 log = logging.getLogger("cartridges.jobs")
@@ -43,7 +45,7 @@ class _Worker:
 
 def default_worker_threads() -> int:
     """Half the cores (at least one): the other half stays with the server's engine."""
-    return max(1, (os.cpu_count() or 2) // 2)
+    return max(1, cpu_cores() // 2)
 
 
 class Supervisor:

@@ -10,14 +10,11 @@ Environment (set by the supervisor, not part of the entry point's contract):
   CARTRIDGES_WORKER_THREADS   intra-op threads (torch.set_num_threads); unset: torch's default
   CARTRIDGES_INT8_ACTIVATIONS "0": float32 activations on quantized CPU weights, as the
                               server was told (load_model's int8_activations); unset: on
-  CARTRIDGES_JOB_STEP_DELAY_S sleep after each synthesis batch and training step (tests and
-                              demos: makes a tiny job last long enough to watch or kill)
 """
 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import fcntl
 import json
 import logging
@@ -98,13 +95,13 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> N
     model = _load_model(record.model_path)
     if record.fingerprint and record.fingerprint != model.fingerprint:
         raise JobFailed("interrupted", "the server's base model changed since this job started; it cannot resume")
-    # What the config leaves to the corpus (the cartridge's length, the number of
-    # conversations) is decided here, and the datablock shows it from now on.
-    config = config.for_corpus(len(Corpus.from_texts(model.tokenizer, texts)))
+    # The corpus is tokenized once, here. What the config leaves to it (the cartridge's length,
+    # the number of conversations) is decided once, here, and the datablock shows it from now on.
+    corpus = Corpus.from_texts(model.tokenizer, texts)
+    config = config.for_corpus(len(corpus))
     store.start_datablock(owner, run_id, model.fingerprint, json.dumps(config.to_dict()), config.num_tokens)
     progress.start()
     scratch = Path(store.job_dir(owner, run_id))
-    delay = float(os.environ.get("CARTRIDGES_JOB_STEP_DELAY_S") or 0)
 
     def on_progress(stage: str, done: int, total: int, loss: float | None) -> bool:
         if stage == "synthesis":
@@ -113,18 +110,16 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> N
             progress.update("synthesizing", done, total, synthetic_samples=min(done, config.num_samples))
         else:
             progress.update("training", done, total, loss=loss)
-        if delay:
-            time.sleep(delay)
         return not progress.stopped
 
     run_config = config
     if config.checkpoint_every == 0:
-        run_config = dataclasses.replace(config, checkpoint_every=DEFAULT_CHECKPOINT_EVERY)
+        run_config = config.replace(checkpoint_every=DEFAULT_CHECKPOINT_EVERY)
     distill = config.objective == "distill"
     to_synthesize = config.num_samples + (config.quality_samples or 0) if distill else config.num_samples
     progress.update("synthesizing" if distill else "training", 0, to_synthesize)
     try:
-        cartridge = train(model, texts, run_config, progress=False, checkpoint=scratch / "train.ckpt",
+        cartridge = train(model, corpus, run_config, progress=False, checkpoint=scratch / "train.ckpt",
                           resume=True, cancel=cancel, on_progress=on_progress)
     except TrainingCancelled:
         return

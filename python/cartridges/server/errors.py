@@ -116,8 +116,14 @@ def _is_field_name(part: object) -> bool:
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(part) for part in first.get("loc", ()) if _is_field_name(part)]
-    param = loc[-1] if loc else None
+    # The parameter's path: "config.epochs", "messages[0].role" (list indexes in brackets).
+    param = ""
+    for part in first.get("loc", ()):
+        if isinstance(part, int) and param:
+            param += f"[{part}]"
+        elif isinstance(part, str) and _is_field_name(part):
+            param += f".{part}" if param else part
+    param = param or None
     if first.get("type") == "missing":
         code = "missing_required_parameter"
         message = f"Missing required parameter: '{param}'."
@@ -129,10 +135,10 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
         message = f"Unknown parameter: '{param}'."
     elif param is None:
         code = "invalid_value"
-        message = f"Invalid body: {first.get('msg', 'invalid')}."
+        message = f"Invalid body: {str(first.get('msg', 'invalid')).removeprefix('Value error, ')}."
     else:
         code = "invalid_purpose" if param == "purpose" else "invalid_value"
-        message = f"Invalid value for '{param}': {first.get('msg', 'invalid')}."
+        message = f"Invalid value for '{param}': {str(first.get('msg', 'invalid')).removeprefix('Value error, ')}."
     return error_response(400, message, code=code, param=param)
 
 

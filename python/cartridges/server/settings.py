@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MiB = 1 << 20
 # docs/api.md §5: the largest file an upload may carry.
@@ -29,20 +31,23 @@ ENV_VARS = {
     "default_max_tokens": "CARTRIDGES_DEFAULT_MAX_TOKENS",
     "int8_activations": "CARTRIDGES_INT8_ACTIVATIONS",
 }
-DEVICES = ("auto", "cpu", "cuda")
 
 
-@dataclass(frozen=True)
-class Settings:
+class Settings(BaseModel):
+    """Every server setting (docs/configuration.md). Constructed directly, values must have
+    their field's type; `from_env` parses environment variables' strings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, use_attribute_docstrings=True)
+
     host: str = "127.0.0.1"
     """Interface to listen on."""
-    port: int = 8000
+    port: int = Field(8000, ge=0, le=65535)
     """TCP port to listen on."""
-    data_dir: Path = Path("cartridges-data")
+    data_dir: Path = Field(Path("cartridges-data"), strict=False)  # a str is a path too
     """Directory of the store (SQLite database and blobs); created if missing."""
     model: str | None = None
     """Base model: a Hugging Face directory or a GGUF file; None is the embedded default model."""
-    max_upload_bytes: int = MAX_UPLOAD_BYTES
+    max_upload_bytes: int = Field(MAX_UPLOAD_BYTES, ge=1)
     """Largest accepted file; a larger upload is refused with 413 while it streams in."""
     api_key: str | None = None
     """Key given to user `default` when the store has no users yet (else a fresh one is printed)."""
@@ -50,21 +55,21 @@ class Settings:
     """A key that may act on every user's objects; None disables it."""
     store_sync: bool = True
     """fsync blobs and directories (off only for throwaway stores in benchmarks)."""
-    max_jobs: int = 1
+    max_jobs: int = Field(1, ge=1)
     """Training jobs run at once, each in its own worker process."""
-    worker_threads: int = 0
+    worker_threads: int = Field(0, ge=0)
     """Intra-op threads of each training worker; 0: half the cores, the rest left to serving."""
-    device: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model runs: auto (cuda when available), cpu or cuda."""
-    kv_tokens: int = 32768
+    kv_tokens: int = Field(32768, ge=1)
     """KV pool of the serving engine in tokens, shared by every running request's own tokens
     (prompt and reply; cartridges are apart). Allocated empty: untouched pages cost nothing."""
-    cartridge_memory_mib: float = 1024
+    cartridge_memory_mib: float = Field(1024, gt=0)
     """Memory budget of loaded cartridges; loading past it evicts the least recently used idle one."""
-    serve_threads: int = 0
+    serve_threads: int = Field(0, ge=0)
     """Intra-op threads of the serving engine; 0: every core while no training job runs, the
     cores the workers do not take while they do."""
-    default_max_tokens: int = 1024
+    default_max_tokens: int = Field(1024, ge=1)
     """Reply length when a chat request gives no max_tokens (cut to what the context leaves)."""
     int8_activations: bool = True
     """On CPU with a GGUF's quantized weights, round activations to 8 bits as llama.cpp does
@@ -72,44 +77,26 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
-        """Defaults, then CARTRIDGES_* variables, then the overrides that are not None."""
+        """Defaults, then CARTRIDGES_* variables, then the overrides that are not None.
+        A variable that does not parse as its setting's type, or a value out of range, is a
+        ValueError that names the variable."""
         environ = os.environ if environ is None else environ
-        types = {f.name: f.type for f in fields(cls)}
-        values: dict[str, object] = {}
-        for name, var in ENV_VARS.items():
-            raw = environ.get(var)
-            if raw is not None and raw != "":
-                values[name] = _convert(name, types[name], raw, var)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        if "data_dir" in values:
-            values["data_dir"] = Path(values["data_dir"])  # type: ignore[arg-type]
-        settings = replace(cls(), **values)
-        if settings.max_upload_bytes < 1:
-            raise ValueError("max_upload_bytes must be positive")
-        if settings.max_jobs < 1 or settings.worker_threads < 0 or settings.serve_threads < 0:
-            raise ValueError("max_jobs must be positive, worker_threads and serve_threads not negative")
-        if settings.device not in DEVICES:
-            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {settings.device!r}")
-        if settings.kv_tokens < 1 or settings.cartridge_memory_mib <= 0 or settings.default_max_tokens < 1:
-            raise ValueError("kv_tokens, cartridge_memory_mib and default_max_tokens must be positive")
-        return settings
+        raw = {name: environ[var] for name, var in ENV_VARS.items() if environ.get(var)}
+        try:
+            # Strings as the types they stand for ("8000", "0", "true"): lax, not strict.
+            from_env = cls.model_validate(raw, strict=False).model_dump(include=set(raw))
+        except ValidationError as error:
+            raise ValueError(_described(error, ENV_VARS)) from None
+        values = {**from_env, **{k: v for k, v in overrides.items() if v is not None}}
+        try:
+            return cls.model_validate(values)
+        except ValidationError as error:
+            raise ValueError(_described(error, {})) from None
 
 
-def _convert(name: str, type_name: object, raw: str, var: str) -> object:
-    if type_name == "float":
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"{var} must be a number, got {raw!r}") from None
-    if type_name == "bool":
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{var} must be true or false (1/0), got {raw!r}")
-    if type_name == "int":
-        try:
-            return int(raw)
-        except ValueError:
-            raise ValueError(f"{var} must be an integer, got {raw!r}") from None
-    return raw
+def _described(error: ValidationError, names: Mapping[str, str]) -> str:
+    """The first problem of a settings error, naming the variable (or setting) it came from."""
+    problem = error.errors()[0]
+    field = str(problem["loc"][0]) if problem["loc"] else ""
+    value = f", got {problem['input']!r}" if isinstance(problem.get("input"), (str, int, float)) else ""
+    return f"{names.get(field, field)}: {problem['msg']}{value}"

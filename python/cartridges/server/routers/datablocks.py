@@ -9,10 +9,11 @@ import json
 from pathlib import Path as PathLib
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Path, Query
 from starlette.concurrency import run_in_threadpool
 
-from cartridges.jobs import ConfigError, base_model_id, train_config_from_request
+from cartridges.models.default import base_model_id
+from cartridges.selfstudy.config import TrainConfig
 from cartridges.server.datablock_schemas import (
     MAX_TRAINING_FILES,
     DatablockDeleted,
@@ -21,7 +22,7 @@ from cartridges.server.datablock_schemas import (
     DatablockStatus,
     TrainRequest,
 )
-from cartridges.server.deps import CurrentUser, SettingsDep, StoreDep
+from cartridges.server.deps import CurrentUser, ServingDep, SettingsDep, StoreDep, SupervisorDep
 from cartridges.server.errors import APIError, error_responses
 from cartridges.server.schemas import list_object
 
@@ -37,15 +38,12 @@ DatablockId = Annotated[str, Path(description="`<owner>/<project>/<run_id>`, or 
     responses=error_responses(400, 401, 404, 500),
 )
 async def train_datablock(
-    body: TrainRequest, request: Request, user: CurrentUser, store: StoreDep, settings: SettingsDep
+    body: TrainRequest, user: CurrentUser, store: StoreDep, settings: SettingsDep, supervisor: SupervisorDep
 ) -> DatablockObject:
     """Queues a training job on the caller's processed `cartridge-training` files (a file still
     being processed is waited for). The answer is the datablock, `status: "queued"`."""
     file_ids = _training_files(body)
-    try:
-        config = train_config_from_request(body.config)
-    except ConfigError as error:
-        raise APIError(400, str(error), code=error.code, param=error.param) from None
+    config = body.config or TrainConfig()
     model = base_model_id(settings.model)
     if body.model is not None and body.model != model:
         raise APIError(400, f"Unknown model '{body.model}': this server trains for '{model}'.",
@@ -63,7 +61,7 @@ async def train_datablock(
         store.create_datablock, user.owner, project=body.name, model=model, model_path=_model_path(settings.model),
         training_files=file_ids, config=json.dumps(config.to_dict()), num_tokens=config.num_tokens or 0,
     )
-    request.app.state.supervisor.wake()
+    supervisor.wake()
     return DatablockObject.of(record)
 
 
@@ -107,11 +105,12 @@ def retrieve_datablock(datablock_id: DatablockId, user: CurrentUser, store: Stor
 
 @router.delete("/datablocks/{datablock_id:path}", summary="Delete a datablock", response_model=DatablockDeleted,
                responses=error_responses(401, 404, 500))
-def delete_datablock(datablock_id: DatablockId, request: Request, user: CurrentUser, store: StoreDep) -> DatablockDeleted:
+def delete_datablock(datablock_id: DatablockId, user: CurrentUser, store: StoreDep, serving: ServingDep,
+                     supervisor: SupervisorDep) -> DatablockDeleted:
     """Cancels its job if queued or running (the worker stops within seconds), unloads its
     cartridge from memory, and removes the datablock and its cartridge for good."""
     record = store.get_datablock(user.owner, datablock_id)
     store.delete_datablock(user.owner, record.run_id)
-    request.app.state.serving.unload(record.id)
-    request.app.state.supervisor.wake()
+    serving.unload(record.id)
+    supervisor.wake()
     return DatablockDeleted(id=record.id)
