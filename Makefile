@@ -11,7 +11,7 @@ SOURCES := $(shell find cpp -type f) CMakeLists.txt pyproject.toml
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test test-cpp test-py build deps bench clean
+.PHONY: serve test test-cpp test-py build deps bench stubs clean
 
 serve: build
 	$(VENV)/bin/cartridges serve --host $(HOST) --port $(PORT)
@@ -27,6 +27,11 @@ test-py: build
 
 bench: build
 	$(PY) benchmarks/bench_decode.py
+
+# The compiled core's type stub, regenerated from the built module (tests/test_core_stub.py
+# checks that it is current).
+stubs: build
+	$(PY) tests/make_core_stub.py python
 
 build: $(STAMPS)/build
 

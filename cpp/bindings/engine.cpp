@@ -7,21 +7,26 @@
 
 namespace cartridges::bindings {
 
-void bind_engine(py::module_& m) {
+namespace {
+
+// Typed errors, sampling, priorities and composition.
+void bind_sampling_and_composition(py::module_& m) {
   // Typed errors: the server answers them with 400 context_length_exceeded, 429, 503.
   py::register_exception<ContextLengthError>(m, "ContextLengthError", PyExc_ValueError);
   py::register_exception<EngineBusyError>(m, "EngineBusyError", PyExc_RuntimeError);
   py::register_exception<CacheFullError>(m, "CacheFullError", PyExc_RuntimeError);
   py::register_exception<EngineStoppedError>(m, "EngineStoppedError", PyExc_RuntimeError);
 
+  const SamplingParams defaults;  // the one set of sampling defaults, SamplingParams's own
   py::class_<SamplingParams>(m, "SamplingParams")
       .def(py::init([](double temperature, double top_p, int64_t top_k, int64_t seed, int64_t max_new_tokens,
                        std::vector<int64_t> stop_token_ids, int64_t logprobs) {
              return SamplingParams{temperature, top_p, top_k, seed, max_new_tokens, std::move(stop_token_ids), logprobs};
            }),
-           py::arg("temperature") = 0.0, py::arg("top_p") = 1.0, py::arg("top_k") = 0, py::arg("seed") = -1,
-           py::arg("max_new_tokens") = 256, py::arg("stop_token_ids") = std::vector<int64_t>{},
-           py::arg("logprobs") = 0)
+           py::arg("temperature") = defaults.temperature, py::arg("top_p") = defaults.top_p,
+           py::arg("top_k") = defaults.top_k, py::arg("seed") = defaults.seed,
+           py::arg("max_new_tokens") = defaults.max_new_tokens, py::arg("stop_token_ids") = defaults.stop_token_ids,
+           py::arg("logprobs") = defaults.logprobs)
       .def_readwrite("temperature", &SamplingParams::temperature)
       .def_readwrite("top_p", &SamplingParams::top_p)
       .def_readwrite("top_k", &SamplingParams::top_k)
@@ -43,7 +48,13 @@ void bind_engine(py::module_& m) {
   py::enum_<Composition>(m, "Composition", "How several cartridges of one request are composed.")
       .value("CONCATENATE", Composition::kConcatenate)
       .value("MIXTURE", Composition::kMixture);
+  m.def("tokens_in_front", &tokens_in_front, py::arg("cartridge_tokens"), py::arg("composition"),
+        "Context positions cartridges of these lengths take in front of a prompt when composed so: their sum, or "
+        "for a mixture of two or more the longest.");
+}
 
+// The engine's options, events and statistics, and the cartridge cache.
+void bind_engine_records(py::module_& m) {
   py::class_<EngineOptions>(m, "EngineOptions")
       .def(py::init<>())
       .def_readwrite("kv_tokens", &EngineOptions::kv_tokens)
@@ -93,13 +104,16 @@ void bind_engine(py::module_& m) {
       .def("remove", &CartridgeCache::remove)
       .def("ids", &CartridgeCache::ids)
       .def("stats", &CartridgeCache::stats);
+}
 
+// The engine itself.
+void bind_engine_class(py::module_& m) {
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine", "The serving engine: one compute thread, many requests.")
       .def(py::init([](std::shared_ptr<LlamaModel> model, const EngineOptions& options) {
              py::gil_scoped_release release;
              return std::make_shared<Engine>(std::move(model), options);
            }),
-           py::arg("model"), py::arg("options") = EngineOptions{})
+           py::arg("model"), py::arg_v("options", EngineOptions{}, "EngineOptions()"))
       .def(
           "submit",
           [](Engine& e, std::vector<int64_t> prompt, const PyPrefixList& prefixes, const SamplingParams& params,
@@ -109,7 +123,7 @@ void bind_engine(py::module_& m) {
             return e.submit(std::move(r));
           },
           py::arg("prompt"), py::arg("prefixes"), py::arg("params"), py::arg("priority") = Priority::kInteractive,
-          py::arg("composition") = Composition::kConcatenate, py::arg("weigh_from") = 0)
+          py::arg("composition") = Composition::kMixture, py::arg("weigh_from") = 0)
       .def(
           "submit_all",
           [](Engine& e, std::vector<std::tuple<std::vector<int64_t>, PyPrefixList, SamplingParams, int64_t>> requests,
@@ -122,7 +136,7 @@ void bind_engine(py::module_& m) {
             return e.submit_all(std::move(rs));
           },
           py::arg("requests"), py::arg("priority") = Priority::kInteractive,
-          py::arg("composition") = Composition::kConcatenate,
+          py::arg("composition") = Composition::kMixture,
           "Queues [(prompt, prefixes, params, weigh_from)] at once (all or none); returns their ids.")
       .def("cancel", &Engine::cancel, py::arg("id"), py::call_guard<py::gil_scoped_release>())
       .def("poll", &Engine::poll, py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),
@@ -134,6 +148,14 @@ void bind_engine(py::module_& m) {
       .def_property("num_threads", &Engine::num_threads, &Engine::set_num_threads,
                     "Intra-op threads of the compute thread; a new value applies from the next step.")
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace
+
+void bind_engine(py::module_& m) {
+  bind_sampling_and_composition(m);
+  bind_engine_records(m);
+  bind_engine_class(m);
 }
 
 }  // namespace cartridges::bindings

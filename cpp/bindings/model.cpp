@@ -1,6 +1,7 @@
 // Python bindings: model.
 #include <pybind11/stl.h>
 
+#include "cartridges/compute.h"
 #include "cartridges/model.h"
 #include "common.h"
 
@@ -19,10 +20,8 @@ ForwardBatch make_batch(const at::Tensor& tokens, std::optional<std::vector<int6
   return batch;
 }
 
-}  // namespace
-
-void bind_model(py::module_& m) {
-
+// The model's config, KV prefixes (cartridges) and the per-sequence KV cache.
+void bind_config_and_prefixes(py::module_& m) {
   py::class_<LlamaConfig>(m, "LlamaConfig")
       .def(py::init<>())
       .def_readwrite("vocab_size", &LlamaConfig::vocab_size)
@@ -67,9 +66,11 @@ void bind_model(py::module_& m) {
       .def_property_readonly("capacity", &KVCache::capacity)
       .def_readonly("lengths", &KVCache::lengths)
       .def_readonly("keys", &KVCache::keys)
-      .def_readonly("values", &KVCache::values)
-      .def("keep_rows", &KVCache::keep_rows);
+      .def_readonly("values", &KVCache::values);
+}
 
+// The model: loading, forward, logits, prefixes from tokens.
+void bind_llama_model(py::module_& m) {
   py::class_<LlamaModel, std::shared_ptr<LlamaModel>>(m, "LlamaModel")
       .def(py::init([](const LlamaConfig& config, const std::unordered_map<std::string, at::Tensor>& weights,
                        const std::string& device, const std::string& dtype,
@@ -96,6 +97,7 @@ void bind_model(py::module_& m) {
              KVCache* cache, std::optional<std::vector<PyPrefixList>> prefixes, bool last_only) {
             auto batch = make_batch(tokens, std::move(num_new), std::move(prefixes));
             py::gil_scoped_release release;
+            ComputeLock turn;
             return last_only ? m.forward_last(batch, cache) : m.forward(batch, cache);
           },
           py::arg("tokens"), py::arg("num_new") = py::none(), py::arg("cache") = nullptr,
@@ -107,18 +109,27 @@ void bind_model(py::module_& m) {
              KVCache* cache, std::optional<std::vector<PyPrefixList>> prefixes) {
             auto batch = make_batch(tokens, std::move(num_new), std::move(prefixes));
             py::gil_scoped_release release;
+            ComputeLock turn;
             return m.forward_hidden(batch, cache);
           },
           py::arg("tokens"), py::arg("num_new") = py::none(), py::arg("cache") = nullptr,
           py::arg("prefixes") = py::none())
-      .def("logits", &LlamaModel::logits, py::arg("hidden"), py::call_guard<py::gil_scoped_release>())
+      .def("logits", &LlamaModel::logits, py::arg("hidden"), py::call_guard<py::gil_scoped_release, ComputeLock>())
       .def(
           "prefix_from_tokens",
           [](const LlamaModel& m, const at::Tensor& tokens) {
             py::gil_scoped_release release;
+            ComputeLock turn;
             return std::make_shared<KVPrefix>(m.prefix_from_tokens(tokens));
           },
           py::arg("tokens"));
+}
+
+}  // namespace
+
+void bind_model(py::module_& m) {
+  bind_config_and_prefixes(m);
+  bind_llama_model(m);
 }
 
 }  // namespace cartridges::bindings

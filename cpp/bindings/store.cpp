@@ -6,14 +6,21 @@
 
 namespace cartridges::bindings {
 
-void bind_store(py::module_& m) {
-  // Errors: StoreError (RuntimeError) and its subclasses NotFoundError, ConflictError, CorruptError.
+namespace {
+
+using StoreClass = py::class_<Store, std::shared_ptr<Store>>;
+
+// StoreError (RuntimeError) and its subclasses NotFoundError, ConflictError, CorruptError.
+void bind_store_errors(py::module_& m) {
   // Translators run newest first, so the subclasses are registered after their base.
   auto& store_error = py::register_exception<StoreError>(m, "StoreError", PyExc_RuntimeError);
   py::register_exception<NotFoundError>(m, "NotFoundError", store_error.ptr());
   py::register_exception<ConflictError>(m, "ConflictError", store_error.ptr());
   py::register_exception<CorruptError>(m, "CorruptError", store_error.ptr());
+}
 
+// What the store's calls take and return: owners, users, keys, file records and pages.
+void bind_store_records(py::module_& m) {
   py::class_<Owner>(m, "Owner", "Who is asking: a user, or the admin (acts on every user's objects).")
       .def(py::init([](int64_t user_id, bool admin) { return Owner{user_id, admin}; }), py::arg("user_id"),
            py::arg("admin") = false)
@@ -50,6 +57,10 @@ void bind_store(py::module_& m) {
       .def_readonly("data", &FilePage::data)
       .def_readonly("has_more", &FilePage::has_more);
 
+}
+
+// Datablock records and pages, and the writer of a new blob.
+void bind_datablock_records(py::module_& m) {
   py::class_<DatablockRecord>(m, "DatablockRecord", "A datablock row; JSON columns are JSON strings.")
       .def_property_readonly("id", &DatablockRecord::id)
       .def_readonly("run_id", &DatablockRecord::run_id)
@@ -94,7 +105,11 @@ void bind_store(py::module_& m) {
       .def_property_readonly("bytes", &BlobWriter::bytes)
       .def_property_readonly("open", &BlobWriter::open);
 
-  py::class_<Store, std::shared_ptr<Store>>(m, "Store", "SQLite metadata + blob directory; every call takes the owner.")
+}
+
+// Opening and closing, users and API keys, blob writers.
+void bind_store_users_and_blobs(StoreClass& store) {
+  store
       .def(py::init([](const std::string& data_dir, bool sync, bool check_at_open) {
              StoreOptions options;
              options.data_dir = data_dir;
@@ -116,7 +131,12 @@ void bind_store(py::module_& m) {
       .def("user_for_key", &Store::user_for_key, py::arg("key_hash"), py::call_guard<py::gil_scoped_release>())
       .def("list_keys", &Store::list_keys, py::call_guard<py::gil_scoped_release>())
       .def("revoke_key", &Store::revoke_key, py::arg("key_id"), py::call_guard<py::gil_scoped_release>())
-      .def("begin_blob", &Store::begin_blob, py::call_guard<py::gil_scoped_release>())
+      .def("begin_blob", &Store::begin_blob, py::call_guard<py::gil_scoped_release>());
+}
+
+// Files: create, read, list, delete, processing status, content.
+void bind_store_files(StoreClass& store) {
+  store
       .def("create_file", &Store::create_file, py::arg("owner"), py::arg("content"), py::arg("filename"),
            py::arg("purpose"), py::call_guard<py::gil_scoped_release>())
       .def("get_file", &Store::get_file, py::arg("owner"), py::arg("file_id"), py::call_guard<py::gil_scoped_release>())
@@ -150,7 +170,12 @@ void bind_store(py::module_& m) {
             }
             return py::str(text);  // stored text is UTF-8
           },
-          py::arg("owner"), py::arg("file_id"))
+          py::arg("owner"), py::arg("file_id"));
+}
+
+// Datablocks: create, read, list, delete, the job's transitions, the cartridge.
+void bind_store_datablocks(StoreClass& store) {
+  store
       .def(
           "create_datablock",
           [](Store& s, const Owner& owner, std::string project, std::string model, std::string model_path,
@@ -193,6 +218,18 @@ void bind_store(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("verify_datablock", &Store::verify_datablock, py::arg("owner"), py::arg("datablock_id"),
            py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace
+
+void bind_store(py::module_& m) {
+  bind_store_errors(m);
+  bind_store_records(m);
+  bind_datablock_records(m);
+  StoreClass store(m, "Store", "SQLite metadata + blob directory; every call takes the owner.");
+  bind_store_users_and_blobs(store);
+  bind_store_files(store);
+  bind_store_datablocks(store);
 }
 
 }  // namespace cartridges::bindings

@@ -11,6 +11,7 @@
 #include "cartridges/engine.h"
 #include "cartridges/model.h"
 #include "tiny_model.h"
+#include "generate_all.h"
 
 using namespace cartridges;
 using cartridges::test_models::random_weights;
@@ -88,7 +89,7 @@ TEST_F(EngineTest, RequestsJoiningAtAnyStepGetWhatTheyGetAlone) {
       greedy(random_tokens(2), 14, {a}),      greedy(random_tokens(40), 5),  // longer than a prefill step
       greedy(random_tokens(30), 7, {a, b}),   // a mixture: two sequences, prompt scored in chunks
   };
-  requests.back().composition = Composition::kMixture;
+  requests[2].composition = Composition::kConcatenate;  // the other mixture is the default's
   EngineOptions options;
   options.prefill_tokens_per_step = 16;
   Engine engine(model, options);
@@ -321,6 +322,7 @@ TEST_F(EngineTest, MixtureNeedsTheLongestCartridgesContextAndAPoolRangePerCartri
   options.kv_tokens = 150;
   Engine engine(model, options);
   auto r = greedy(random_tokens(10), 60, {prefix(random_tokens(100)), prefix(random_tokens(100))});
+  r.composition = Composition::kConcatenate;
   EXPECT_THROW(engine.submit(r), ContextLengthError);  // concatenated: 200 + 10 + 60 > context of 256
   r.composition = Composition::kMixture;
   EXPECT_EQ(generate_all(engine, {r})[0].tokens.size(), 60u);  // 100 + 10 + 60 fits; 2 x 70 slots fit the pool

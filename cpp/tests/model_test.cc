@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "cartridges/engine.h"
+#include "cartridges/kv_pool.h"
 #include "cartridges/model.h"
 #include "tiny_model.h"
 

@@ -4,7 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "cartridges/engine.h"
-#include "engine/kv_pool.h"
+#include "engine/kv_range_allocator.h"
 #include "engine/scheduler.h"
 
 using namespace cartridges;

@@ -1,112 +1,22 @@
 #pragma once
 // The serving engine: one compute thread that many callers share (continuous batching), a KV
-// pool sized once, and a cache of cartridges under a byte budget. Sampling lives here too.
+// pool sized once, and a cache of cartridges under a byte budget.
 
 #include <ATen/ATen.h>
 
 #include <chrono>
 #include <cstdint>
-#include <list>
 #include <memory>
-#include <mutex>
-#include <stdexcept>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
+#include "cartridges/cartridge_cache.h"
+#include "cartridges/composition.h"
+#include "cartridges/errors.h"
 #include "cartridges/model.h"
+#include "cartridges/sampling.h"
 
 namespace cartridges {
-
-// ---- sampling --------------------------------------------------------------------------
-
-struct SamplingParams {
-  double temperature = 0.0;  // 0 samples greedily (argmax)
-  double top_p = 1.0;        // keep the smallest set of tokens holding this much probability
-  int64_t top_k = 0;         // keep only the k most likely tokens; 0 keeps all
-  int64_t seed = -1;         // same seed, same output; negative draws a fresh seed
-  int64_t max_new_tokens = 256;
-  std::vector<int64_t> stop_token_ids;  // generation ends after producing one of these
-  // Also return, for every sampled token, its log-probability and the `logprobs` most likely
-  // tokens with theirs, under the model's own distribution (temperature 1, no filtering).
-  int64_t logprobs = 0;
-};
-
-// Draws tokens for one sequence; owns that sequence's random generator.
-class Sampler {
- public:
-  explicit Sampler(const SamplingParams& params);
-  // logits: [vocab] float32, on any device.
-  int64_t sample(const at::Tensor& logits);
-
- private:
-  SamplingParams params_;
-  at::Generator generator_;
-};
-
-// Logits with everything outside the k most likely tokens set to -inf.
-at::Tensor filter_top_k(const at::Tensor& logits, int64_t k);
-// Logits with everything outside the smallest most-likely set of mass >= p set to -inf.
-at::Tensor filter_top_p(const at::Tensor& logits, double p);
-
-// ---- typed errors (the server maps them to HTTP answers) ----------------------------------
-
-// Prefixes + prompt + max_new_tokens exceed the model's context: the request can never run.
-struct ContextLengthError : std::invalid_argument {
-  using std::invalid_argument::invalid_argument;
-};
-// The waiting queue is full: try again later.
-struct EngineBusyError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-// A cartridge larger than what the cache may hold once every idle cartridge is evicted.
-struct CacheFullError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-// The engine has shut down (or its compute thread failed).
-struct EngineStoppedError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-// ---- cartridge cache -------------------------------------------------------------------
-
-struct CartridgeCacheStats {
-  int64_t entries = 0, bytes = 0, budget_bytes = 0;
-  int64_t hits = 0, misses = 0, loads = 0, evictions = 0;
-};
-
-// Cartridges (KV prefixes) by id under a byte budget. A cartridge that a queued or running
-// request holds (its shared pointer is held outside the cache) is never evicted; loading past
-// the budget evicts the least recently used idle ones. Thread-safe.
-class CartridgeCache {
- public:
-  explicit CartridgeCache(int64_t budget_bytes);
-
-  // The cartridge, marked as just used; null when absent (counted as a miss).
-  PrefixPtr get(const std::string& id);
-  bool contains(const std::string& id) const;
-  // Adds (or replaces) a cartridge, evicting idle ones as needed; CacheFullError when it
-  // cannot fit even then (nothing is evicted in that case).
-  void put(const std::string& id, PrefixPtr prefix);
-  // Removes it from the cache (a request holding it keeps its copy alive until it ends).
-  bool remove(const std::string& id);
-  std::vector<std::string> ids() const;  // most recently used first
-  CartridgeCacheStats stats() const;
-
- private:
-  struct Entry {
-    std::string id;
-    PrefixPtr prefix;
-    int64_t bytes;
-  };
-  mutable std::mutex mutex_;
-  int64_t budget_, bytes_ = 0;
-  CartridgeCacheStats counters_;
-  std::list<Entry> lru_;  // front: most recently used
-  std::unordered_map<std::string, std::list<Entry>::iterator> index_;
-};
-
-// ---- engine ----------------------------------------------------------------------------
 
 enum class Priority { kInteractive = 0, kBackground = 1 };
 
@@ -129,27 +39,12 @@ struct EngineOptions {
   int num_threads = 0;
 };
 
-// How several cartridges of one request are composed.
-enum class Composition {
-  // Their KV one after another in front of one sequence, in order: attention decides which
-  // to read. Cartridges trained alone pull every question to themselves, so each document's
-  // questions lose most of their gain (docs/experiments.md, "Why does composition by
-  // concatenation fail, and can training fix it?").
-  kConcatenate = 0,
-  // One sequence per cartridge (same prompt, own KV range); each step samples from the
-  // mixture of their next-token distributions, each weighted by the likelihood it gave to
-  // everything before from `Request::weigh_from` on (prompt and output so far; a uniform
-  // prior): the cartridge that explains the conversation best speaks. Costs one sequence per
-  // cartridge (a cartridge given twice, the same object, is composed once).
-  kMixture = 1,
-};
-
 struct Request {
   std::vector<int64_t> prompt;  // token ids, not empty
   PrefixList prefixes;          // cartridges in front of the prompt
   SamplingParams params;
   Priority priority = Priority::kInteractive;
-  Composition composition = Composition::kConcatenate;  // with two or more prefixes
+  Composition composition = Composition::kMixture;  // with two or more prefixes (the API's default too)
   // A mixture's weights count the prompt from this token on, and all the output. Text that
   // every cartridge is shown alike (the chat template's opening, a system prompt) tells no
   // document from another, yet a strongly trained cartridge explains it better and would
@@ -217,13 +112,5 @@ class Engine {
  private:
   std::unique_ptr<EngineImpl> impl_;
 };
-
-// Convenience for one closed batch (tests, scripts): submits every request to `engine`,
-// waits for all, returns (tokens, finish_reason) per request in order.
-struct GenerationResult {
-  std::vector<int64_t> tokens;  // generated tokens, the stop token included
-  std::string finish_reason;
-};
-std::vector<GenerationResult> generate_all(Engine& engine, const std::vector<Request>& requests);
 
 }  // namespace cartridges

@@ -9,21 +9,9 @@
 #include <vector>
 
 #include "cartridges/config.h"
+#include "cartridges/prefix.h"
 
 namespace cartridges {
-
-// Keys and values of `num_tokens()` virtual tokens for every layer: [H_kv, P, D] each, keys
-// after RoPE at positions 0..P-1. Shared read-only by every sequence that uses it.
-struct KVPrefix {
-  std::vector<at::Tensor> keys;
-  std::vector<at::Tensor> values;
-
-  int64_t num_tokens() const { return keys.empty() ? 0 : keys[0].size(1); }
-  int64_t nbytes() const;
-};
-using PrefixPtr = std::shared_ptr<const KVPrefix>;
-// Prefixes concatenated in front of one sequence, in order.
-using PrefixList = std::vector<PrefixPtr>;
 
 // K/V of each sequence's own tokens (not its prefixes), sized to the batch it serves.
 class KVCache {
@@ -32,8 +20,6 @@ class KVCache {
 
   int64_t batch() const { return static_cast<int64_t>(lengths.size()); }
   int64_t capacity() const { return capacity_; }
-  // Keeps only the given rows, in the given order (used when sequences finish).
-  void keep_rows(const std::vector<int64_t>& rows);
 
   std::vector<at::Tensor> keys;    // per layer: [B, H_kv, capacity, D]
   std::vector<at::Tensor> values;  // per layer: [B, H_kv, capacity, D]
@@ -59,36 +45,9 @@ struct QuantizedWeight {
 
 struct QuantizedMatrix;
 
-// KV memory of the serving engine: one slab of `capacity` token slots per layer, allocated
-// once. Each sequence owns a contiguous range of slots (handed out by the engine's allocator);
-// its own token j lives at slot offset + j. Prefixes (cartridges) are not in the pool.
-struct KVPool {
-  KVPool(const LlamaConfig& config, int64_t capacity, at::TensorOptions options);
-  int64_t capacity() const { return keys.empty() ? 0 : keys[0].size(0); }
-  int64_t nbytes() const;
-
-  std::vector<at::Tensor> keys;    // per layer: [capacity, H_kv, D]
-  std::vector<at::Tensor> values;  // per layer: [capacity, H_kv, D]
-};
-
-// One sequence's part of a packed step: its `num_new` tokens follow the previous sequence's
-// in PackedBatch::tokens.
-struct PackedSequence {
-  int64_t kv_offset = 0;  // first pool slot of this sequence's own tokens
-  int64_t past = 0;       // own tokens already in the pool
-  int64_t num_new = 1;    // tokens of this step, written at slots kv_offset + past + j
-  PrefixList prefixes;    // cartridges in front, in order (read in place, never copied)
-  bool logits = true;     // whether the step returns logits at its last new token
-  // Logits at every new token instead (num_new rows): scoring the prompt tokens of a
-  // sequence whose weight depends on them (composition by mixture).
-  bool all_logits = false;
-};
-
-// A serving step: decode tokens and prefill chunks of many sequences, packed without padding.
-struct PackedBatch {
-  at::Tensor tokens;  // [N] int64, N = sum of num_new
-  std::vector<PackedSequence> sequences;
-};
+// The serving engine's KV pool and packed steps (cartridges/kv_pool.h).
+struct KVPool;
+struct PackedBatch;
 
 // A linear layer: float32/bf16 weights, and optionally the same weights block-quantized for
 // the CPU decode path (a handful of rows, no gradient). `int8_activations` picks that path's

@@ -1,6 +1,8 @@
 // The engine's compute thread: each step takes cancels, admits waiting requests, runs one
 // packed forward (a decode token for every running request plus prompt chunks), samples and
-// hands the events to whoever polls.
+// hands the events to whoever polls. Longer than 400 lines: a request's life (checks, admission,
+// prefill, decode, mixture weights, cancellation, events) is the state of this one thread; the
+// policy is in scheduler, KV ranges in kv_range_allocator, the rules of context in composition.
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
@@ -12,6 +14,7 @@
 #include <thread>
 
 #include "cartridges/compute.h"
+#include "cartridges/kv_pool.h"
 #include "cartridges/engine.h"
 #include "engine/scheduler.h"
 
@@ -23,15 +26,11 @@ bool is_mixture(const Request& request) {
   return request.composition == Composition::kMixture && request.prefixes.size() >= 2;
 }
 
-// Positions the request's cartridges take in front of its prompt: all of them one after
-// another, or the longest alone in a mixture (each cartridge has its own sequence).
+// Positions the request's cartridges take in front of its prompt (tokens_in_front).
 int64_t prefix_tokens(const Request& request) {
-  int64_t sum = 0, longest = 0;
-  for (const auto& p : request.prefixes) {
-    sum += p->num_tokens();
-    longest = std::max(longest, p->num_tokens());
-  }
-  return is_mixture(request) ? longest : sum;
+  std::vector<int64_t> lengths;
+  for (const auto& p : request.prefixes) lengths.push_back(p->num_tokens());
+  return tokens_in_front(lengths, request.composition);
 }
 
 bool is_stop(const SamplingParams& params, int64_t token) {
@@ -123,15 +122,9 @@ class EngineImpl {
     // A cartridge that does not fit the model must be refused here: inside a step it would
     // fail every request computed with it.
     for (const auto& p : request.prefixes) {
-      TORCH_CHECK(p && static_cast<int64_t>(p->keys.size()) == c.num_layers &&
-                      static_cast<int64_t>(p->values.size()) == c.num_layers,
-                  "a cartridge must hold keys and values for each of the model's ", c.num_layers, " layers");
-      TORCH_CHECK(p->num_tokens() > 0, "a cartridge must hold at least one token");
+      check_prefix(p, c, "submit");
       for (int64_t l = 0; l < c.num_layers; ++l) {
         const auto &k = p->keys[l], &v = p->values[l];
-        TORCH_CHECK(k.dim() == 3 && k.size(0) == c.num_kv_heads && k.size(1) == p->num_tokens() &&
-                        k.size(2) == c.head_dim && v.sizes() == k.sizes(),
-                    "a cartridge's KV shape does not match the model (layer ", l, ")");
         TORCH_CHECK(k.scalar_type() == model_->dtype() && v.scalar_type() == model_->dtype() &&
                         k.device().type() == model_->device().type() &&
                         v.device().type() == model_->device().type(),
@@ -456,30 +449,5 @@ const EngineOptions& Engine::options() const { return impl_->options(); }
 const LlamaModel& Engine::model() const { return impl_->model(); }
 void Engine::shutdown() { impl_->shutdown(); }
 bool Engine::running() const { return impl_->running(); }
-
-std::vector<GenerationResult> generate_all(Engine& engine, const std::vector<Request>& requests) {
-  std::unordered_map<int64_t, size_t> index;
-  const auto ids = engine.submit_all(requests);
-  for (size_t i = 0; i < ids.size(); ++i) index[ids[i]] = i;
-  std::vector<GenerationResult> results(requests.size());
-  size_t done = 0;
-  while (done < requests.size()) {
-    auto events = engine.poll(std::chrono::milliseconds(100));
-    if (events.empty() && !engine.running()) throw EngineStoppedError("the engine stopped before the requests ended");
-    for (const auto& e : events) {
-      auto it = index.find(e.request);
-      if (it == index.end()) continue;
-      auto& r = results[it->second];
-      if (e.kind == Event::Kind::kToken) {
-        r.tokens.push_back(e.token);
-      } else {
-        if (e.finish_reason == "error") throw std::runtime_error("generation failed: " + e.error);
-        r.finish_reason = e.finish_reason;
-        ++done;
-      }
-    }
-  }
-  return results;
-}
 
 }  // namespace cartridges

@@ -1,4 +1,4 @@
-#include "engine/kv_pool.h"
+#include "engine/kv_range_allocator.h"
 
 #include <algorithm>
 

@@ -1,5 +1,5 @@
 #pragma once
-// Hands out ranges of the engine's KV pool (see KVPool in cartridges/model.h): policy only,
+// Hands out ranges of the engine's KV pool (see KVPool in cartridges/kv_pool.h): policy only,
 // no tensors. A request gets one contiguous range of slots for its whole life, so that its
 // own keys and values are read in place, and gives it back when it ends; nobody else's KV
 // moves.

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "cartridges/engine.h"
-#include "engine/kv_pool.h"
+#include "engine/kv_range_allocator.h"
 
 namespace cartridges {
 

@@ -1,7 +1,7 @@
 #include <algorithm>
 #include <numeric>
 
-#include "cartridges/compute.h"
+#include "cartridges/kv_pool.h"
 #include "cartridges/model.h"
 #include "model/ops.h"
 #include "model/packed_attention.h"
@@ -27,6 +27,19 @@ void LlamaConfig::validate() const {
   }
 }
 
+void check_prefix(const PrefixPtr& prefix, const LlamaConfig& c, const char* who) {
+  TORCH_CHECK(prefix && static_cast<int64_t>(prefix->keys.size()) == c.num_layers &&
+                  static_cast<int64_t>(prefix->values.size()) == c.num_layers,
+              who, ": a cartridge must hold keys and values for each of the model's ", c.num_layers, " layers");
+  TORCH_CHECK(prefix->num_tokens() > 0, who, ": a cartridge must hold at least one token");
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const auto &k = prefix->keys[l], &v = prefix->values[l];
+    TORCH_CHECK(k.dim() == 3 && k.size(0) == c.num_kv_heads && k.size(1) == prefix->num_tokens() &&
+                    k.size(2) == c.head_dim && v.sizes() == k.sizes(),
+                who, ": a cartridge's KV shape does not match the model (layer ", l, ")");
+  }
+}
+
 int64_t KVPrefix::nbytes() const {
   int64_t total = 0;
   for (const auto& t : keys) total += t.nbytes();
@@ -45,37 +58,6 @@ KVCache::KVCache(const LlamaConfig& config, int64_t batch, int64_t capacity, at:
     keys.push_back(at::zeros({batch, config.num_kv_heads, capacity, config.head_dim}, options));
     values.push_back(at::zeros({batch, config.num_kv_heads, capacity, config.head_dim}, options));
   }
-}
-
-void KVCache::keep_rows(const std::vector<int64_t>& rows) {
-  std::vector<int64_t> kept_lengths;
-  kept_lengths.reserve(rows.size());
-  for (auto r : rows) {
-    TORCH_CHECK(r >= 0 && r < batch(), "KVCache::keep_rows: row ", r, " out of range");
-    kept_lengths.push_back(lengths[r]);
-  }
-  auto index = at::tensor(rows, at::kLong).to(keys[0].device());
-  for (size_t l = 0; l < keys.size(); ++l) {
-    keys[l] = keys[l].index_select(0, index);
-    values[l] = values[l].index_select(0, index);
-  }
-  lengths = std::move(kept_lengths);
-}
-
-KVPool::KVPool(const LlamaConfig& config, int64_t capacity, at::TensorOptions options) {
-  TORCH_CHECK(capacity > 0, "KVPool: capacity must be positive");
-  // Empty, not zeroed: a sequence only ever reads the slots it wrote, and untouched pages of
-  // a large pool cost no memory until they are used.
-  for (int64_t l = 0; l < config.num_layers; ++l) {
-    keys.push_back(at::empty({capacity, config.num_kv_heads, config.head_dim}, options));
-    values.push_back(at::empty({capacity, config.num_kv_heads, config.head_dim}, options));
-  }
-}
-
-int64_t KVPool::nbytes() const {
-  int64_t total = 0;
-  for (size_t l = 0; l < keys.size(); ++l) total += keys[l].nbytes() + values[l].nbytes();
-  return total;
 }
 
 at::Tensor Linear::operator()(const at::Tensor& x, bool int8_activations) const {
@@ -186,8 +168,9 @@ KVCache LlamaModel::new_cache(int64_t batch, int64_t capacity) const {
   return KVCache(config_, batch, capacity, options());
 }
 
+// Longer than 60 lines: the layer loop and the batch's bookkeeping it needs (prefix lengths,
+// positions, cache writes, the mask); the arithmetic itself is in ops and attention().
 at::Tensor LlamaModel::forward_hidden(const ForwardBatch& batch, KVCache* cache) const {
-  ComputeLock turn;  // never beside the serving engine's step (see compute.h)
   const auto& c = config_;
   TORCH_CHECK(batch.tokens.dim() == 2, "forward: tokens must be [batch, steps], got ", batch.tokens.sizes());
   const int64_t B = batch.tokens.size(0), S = batch.tokens.size(1);
@@ -210,9 +193,7 @@ at::Tensor LlamaModel::forward_hidden(const ForwardBatch& batch, KVCache* cache)
   bool shared = true;
   for (int64_t b = 0; b < static_cast<int64_t>(batch.prefixes.size()); ++b) {
     for (const auto& prefix : batch.prefixes[b]) {
-      TORCH_CHECK(prefix && static_cast<int64_t>(prefix->keys.size()) == c.num_layers &&
-                      static_cast<int64_t>(prefix->values.size()) == c.num_layers,
-                  "forward: a prefix must hold keys and values for each of the ", c.num_layers, " layers");
+      check_prefix(prefix, c, "forward");
       prefix_len[b] += prefix->num_tokens();
     }
     shared = shared && batch.prefixes[b] == batch.prefixes[0];
@@ -297,7 +278,6 @@ at::Tensor LlamaModel::mlp(const Layer& layer, const at::Tensor& x) const {
 }
 
 at::Tensor LlamaModel::forward_packed(const PackedBatch& batch, KVPool& pool) const {
-  ComputeLock turn;
   const auto& c = config_;
   TORCH_CHECK(batch.tokens.dim() == 1, "forward_packed: tokens must be [N]");
   TORCH_CHECK(static_cast<int64_t>(pool.keys.size()) == c.num_layers, "forward_packed: pool has ",
@@ -312,8 +292,7 @@ at::Tensor LlamaModel::forward_packed(const PackedBatch& batch, KVPool& pool) co
                 "forward_packed: a sequence's slots lie outside the pool");
     int64_t prefix_len = 0;
     for (const auto& p : s.prefixes) {
-      TORCH_CHECK(p && static_cast<int64_t>(p->keys.size()) == c.num_layers,
-                  "forward_packed: a prefix must hold keys and values for each of the ", c.num_layers, " layers");
+      check_prefix(p, c, "forward_packed");
       prefix_len += p->num_tokens();
     }
     for (int64_t j = 0; j < s.num_new; ++j) {

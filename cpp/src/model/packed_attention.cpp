@@ -145,6 +145,8 @@ bool has_avx2() {
 
 }  // namespace
 
+// Longer than 60 lines: one OpenMP-parallel kernel, its split over heads and tokens and the online
+// softmax over prefixes and own KV inside one parallel region.
 void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                           const std::vector<int64_t>& tokens, const std::vector<int64_t>& offsets,
                           const std::vector<int64_t>& lengths, const std::vector<const PrefixList*>& prefixes,

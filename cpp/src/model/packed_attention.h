@@ -12,6 +12,7 @@
 
 #include <vector>
 
+#include "cartridges/kv_pool.h"
 #include "cartridges/model.h"
 
 namespace cartridges::ops {

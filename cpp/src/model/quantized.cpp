@@ -1,3 +1,5 @@
+// The block-quantized kernels of quantized.h. Longer than 400 lines: each SIMD kernel sits beside
+// the scalar code it must equal (the tests compare them), for both arithmetics and three formats.
 #include "model/quantized.h"
 
 #include <ATen/Parallel.h>

@@ -1,5 +1,5 @@
 #pragma once
-// Helpers shared by the store's translation units (store.cpp, datablocks.cpp).
+// Helpers shared by the store's translation units (store.cpp, files.cpp, datablocks.cpp).
 
 #include <unistd.h>
 

@@ -16,10 +16,10 @@ from typing import Any
 
 from fastapi.sse import format_sse_event
 
-from cartridges.engine import ContextLengthError, Delta, EngineBusyError, EngineStoppedError, \
-    GenerationError, Stream, TokenLogprob, choice_seeds
+from cartridges.engine import COMPOSITIONS, ContextLengthError, EngineBusyError, EngineStoppedError
+from cartridges.stream import Delta, GenerationError, Stream, TokenLogprob, choice_seeds
 from cartridges.server.chat_schemas import ChatCompletionRequest, FilePart
-from cartridges.server.deps import Principal
+from cartridges.server.principal import Principal
 from cartridges.server.errors import APIError
 from cartridges.server.serving import CartridgeUnavailable, Serving
 from cartridges.store import core
@@ -69,9 +69,9 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
         raise APIError(400, f"The conversation cannot be rendered with the model's chat template: {error}",
                        code="invalid_value", param="messages") from None
 
-    # A mixture gives each cartridge its own sequence: only the longest takes context in front.
-    mixture = body.composition == "mixture" and len(prefixes) > 1
-    in_front = max(p.num_tokens for p in prefixes) if mixture else cartridge_tokens
+    # The engine's rule (a mixture gives each cartridge its own sequence: only the longest
+    # takes context in front), asked of the engine so that the two never disagree.
+    in_front = core().tokens_in_front([p.num_tokens for p in prefixes], COMPOSITIONS[body.composition])
     context, used = model.context_length, in_front + len(prompt)
     requested = body.max_completion_tokens or body.max_tokens
     if requested is None:
@@ -254,6 +254,8 @@ async def collect(streams: list[Stream], answer: Answer, disconnected: asyncio.E
             await asyncio.gather(work, return_exceptions=True)
 
 
+# Longer than 60 lines: the pumps, the queue and the event order (one choice per chunk, usage last)
+# share the response's state.
 async def events(streams: list[Stream], answer: Answer, include_usage: bool,
                  disconnected: asyncio.Event) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed completion, ending with `data: [DONE]`."""

@@ -1,0 +1,45 @@
+#pragma once
+// The serving engine's KV memory and the packed steps that read and fill it.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "cartridges/config.h"
+#include "cartridges/prefix.h"
+
+namespace cartridges {
+
+// KV memory of the serving engine: one slab of `capacity` token slots per layer, allocated
+// once. Each sequence owns a contiguous range of slots (handed out by the engine's allocator);
+// its own token j lives at slot offset + j. Prefixes (cartridges) are not in the pool.
+struct KVPool {
+  KVPool(const LlamaConfig& config, int64_t capacity, at::TensorOptions options);
+  int64_t capacity() const { return keys.empty() ? 0 : keys[0].size(0); }
+  int64_t nbytes() const;
+
+  std::vector<at::Tensor> keys;    // per layer: [capacity, H_kv, D]
+  std::vector<at::Tensor> values;  // per layer: [capacity, H_kv, D]
+};
+
+// One sequence's part of a packed step: its `num_new` tokens follow the previous sequence's
+// in PackedBatch::tokens.
+struct PackedSequence {
+  int64_t kv_offset = 0;  // first pool slot of this sequence's own tokens
+  int64_t past = 0;       // own tokens already in the pool
+  int64_t num_new = 1;    // tokens of this step, written at slots kv_offset + past + j
+  PrefixList prefixes;    // cartridges in front, in order (read in place, never copied)
+  bool logits = true;     // whether the step returns logits at its last new token
+  // Logits at every new token instead (num_new rows): scoring the prompt tokens of a
+  // sequence whose weight depends on them (composition by mixture).
+  bool all_logits = false;
+};
+
+// A serving step: decode tokens and prefill chunks of many sequences, packed without padding.
+struct PackedBatch {
+  at::Tensor tokens;  // [N] int64, N = sum of num_new
+  std::vector<PackedSequence> sequences;
+};
+
+}  // namespace cartridges

@@ -1,0 +1,40 @@
+#pragma once
+// Sampling: what a request asks for (SamplingParams) and the per-sequence sampler.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace cartridges {
+
+struct SamplingParams {
+  double temperature = 0.0;  // 0 samples greedily (argmax)
+  double top_p = 1.0;        // keep the smallest set of tokens holding this much probability
+  int64_t top_k = 0;         // keep only the k most likely tokens; 0 keeps all
+  int64_t seed = -1;         // same seed, same output; negative draws a fresh seed
+  int64_t max_new_tokens = 256;
+  std::vector<int64_t> stop_token_ids;  // generation ends after producing one of these
+  // Also return, for every sampled token, its log-probability and the `logprobs` most likely
+  // tokens with theirs, under the model's own distribution (temperature 1, no filtering).
+  int64_t logprobs = 0;
+};
+
+// Draws tokens for one sequence; owns that sequence's random generator.
+class Sampler {
+ public:
+  explicit Sampler(const SamplingParams& params);
+  // logits: [vocab] float32, on any device.
+  int64_t sample(const at::Tensor& logits);
+
+ private:
+  SamplingParams params_;
+  at::Generator generator_;
+};
+
+// Logits with everything outside the k most likely tokens set to -inf.
+at::Tensor filter_top_k(const at::Tensor& logits, int64_t k);
+// Logits with everything outside the smallest most-likely set of mass >= p set to -inf.
+at::Tensor filter_top_p(const at::Tensor& logits, double p);
+
+}  // namespace cartridges
