@@ -155,13 +155,13 @@ def documents(model: Model, users: int, doc_tokens: int, questions: int, cartrid
         await asyncio.gather(*(user(d, row) for d, row in zip(docs, asks)))
         return timings, time.perf_counter() - start
 
-    document_kv = lambda doc: model.core.prefix_from_tokens(torch.tensor(doc))  # noqa: E731
+    document_kv = lambda doc: model.native.prefix_from_tokens(torch.tensor(doc))  # noqa: E731
     timings, wall = asyncio.run(with_prefix(document_kv))
     results["b"] = (timings, wall, (doc_tokens + question_len + new_tokens) * per_token)
     report("b")
 
     # (c) a cartridge per user, made before the run (training is not serving)
-    carts = {id(d): model.core.prefix_from_tokens(torch.tensor(d[:cartridge_tokens])) for d in docs}
+    carts = {id(d): model.native.prefix_from_tokens(torch.tensor(d[:cartridge_tokens])) for d in docs}
     timings, wall = asyncio.run(with_prefix(lambda doc: carts[id(doc)]))
     results["c"] = (timings, wall, (cartridge_tokens + question_len + new_tokens) * per_token)
     report("c")
@@ -174,7 +174,7 @@ def composition(model: Model, users: int, questions: int, cartridge_tokens: int,
     vocab = model.config.vocab_size
 
     def cartridge():  # serving cost only: the KV of random tokens
-        return model.core.prefix_from_tokens(torch.tensor([rng.randrange(3, vocab) for _ in range(cartridge_tokens)]))
+        return model.native.prefix_from_tokens(torch.tensor([rng.randrange(3, vocab) for _ in range(cartridge_tokens)]))
 
     carts = [[cartridge(), cartridge()] for _ in range(users)]
     asks = [[chat_prompt(model, QUESTIONS[(u + q) % len(QUESTIONS)]) for q in range(questions)] for u in range(users)]

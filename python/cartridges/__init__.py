@@ -6,17 +6,8 @@ import torch  # noqa: F401  (loads libtorch before the compiled core)
 
 from .cartridge import Cartridge, CartridgeFileError, load_cartridge
 from .client import Client
-from .engine import (
-    CacheFullError,
-    Completion,
-    ContextLengthError,
-    Delta,
-    Engine,
-    EngineBusyError,
-    GenerationError,
-    Stream,
-    TokenLogprob,
-)
+from .engine import CacheFullError, ContextLengthError, Engine, EngineBusyError
+from .stream import Completion, Delta, GenerationError, Stream, TokenLogprob
 from .model import Model, load_model
 from .models import ModelLoadError
 from .selfstudy import TrainConfig

@@ -51,9 +51,9 @@ class CartridgeFileError(ValueError):
         self.reason = reason
 
 
-def core_model(model: Any) -> cartridges_core.LlamaModel:
+def native_model(model: Any) -> cartridges_core.LlamaModel:
     """The C++ model behind `model` (a `cartridges.Model`, or a `cartridges_core.LlamaModel`)."""
-    return model if isinstance(model, cartridges_core.LlamaModel) else model.core
+    return model if isinstance(model, cartridges_core.LlamaModel) else model.native
 
 
 def model_fingerprint(model: Any) -> str:
@@ -168,20 +168,20 @@ class Cartridge:
 
     def prefix(self, model: Any) -> cartridges_core.KVPrefix:
         """The cartridge as a KV prefix in the model's dtype and device (made once, then shared)."""
-        core = core_model(model)
+        native = native_model(model)
         self.check_model(model)
-        key = (core.dtype, core.device)
+        key = (native.dtype, native.device)
         if key not in self._prefixes:
-            dtype = _DTYPES[core.dtype]
+            dtype = _DTYPES[native.dtype]
             self._prefixes[key] = cartridges_core.KVPrefix(
-                [k.to(core.device, dtype).contiguous() for k in self.keys],
-                [v.to(core.device, dtype).contiguous() for v in self.values],
+                [k.to(native.device, dtype).contiguous() for k in self.keys],
+                [v.to(native.device, dtype).contiguous() for v in self.values],
             )
         return self._prefixes[key]
 
     def check_model(self, model: Any, path: str | os.PathLike[str] | None = None) -> None:
         """Raise unless the cartridge fits `model` (shape, and fingerprint when both know one)."""
-        c = core_model(model).config
+        c = native_model(model).config
 
         def fail(reason: str) -> None:
             if path is not None:

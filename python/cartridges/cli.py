@@ -10,8 +10,7 @@ import argparse
 import importlib
 import sys
 
-# Subcommand modules, in the order `--help` lists them. A missing module (a piece not built
-# yet) is skipped rather than breaking the others.
+# Subcommand modules, in the order `--help` lists them.
 COMMANDS = ("serve", "keys", "train", "chat", "datablocks")
 
 
@@ -22,13 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"cartridges.commands.{name}")
-        except ModuleNotFoundError as error:
-            if error.name != f"cartridges.commands.{name}":
-                raise
-            continue
-        module.register(subparsers)
+        importlib.import_module(f"cartridges.commands.{name}").register(subparsers)
     return parser
 
 

@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import collections
 import threading
 import weakref
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import cartridges_core as core
 
 from .models.tokenizer import common_prefix_len
+from .stream import Stream
 
 ContextLengthError = core.ContextLengthError
 EngineBusyError = core.EngineBusyError
@@ -34,206 +33,11 @@ CacheFullError = core.CacheFullError
 EngineStoppedError = core.EngineStoppedError
 
 _PRIORITIES = {"interactive": core.Priority.INTERACTIVE, "background": core.Priority.BACKGROUND}
+# The sampling defaults, the C++ SamplingParams' own: every signature below takes them from here.
+DEFAULT_SAMPLING = core.SamplingParams()
 # How several cartridges of one request are composed (cartridges_core.Composition).
 COMPOSITIONS = {"mixture": core.Composition.MIXTURE, "concatenate": core.Composition.CONCATENATE}
 _POLL = timedelta(milliseconds=200)
-
-
-class GenerationError(RuntimeError):
-    """The engine failed while computing a request (its message says why)."""
-
-
-@dataclass
-class TokenLogprob:
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]  # the most likely tokens and their log-probabilities
-
-
-@dataclass
-class Delta:
-    """What one sampled token adds: `text` is the newly released text ("" while it might
-    still turn out to be the start of a stop sequence)."""
-
-    text: str
-    token: int | None = None  # None for the final flush of held-back text
-    logprob: TokenLogprob | None = None
-
-
-@dataclass
-class Completion:
-    tokens: list[int]  # generated ids, a final stop token included
-    text: str  # decoded, without special tokens, cut before a matched stop sequence
-    finish_reason: str  # "stop", "length" or "cancelled"
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-
-
-def choice_seeds(seed: int | None, n: int) -> list[int]:
-    """Seeds of `n` choices of one request: distinct, and the same for the same seed."""
-    if seed is None:
-        return [-1] * n
-    return [(seed * 1_000_003 + i * 0x9E3779B1) % (2**63 - 1) for i in range(n)]
-
-
-class Stream:
-    """One request's output as it is generated. Iterate it (blocking or async), or call
-    `result()`. Not shared between threads."""
-
-    def __init__(self, engine: Engine, request_id: int, *, prompt_tokens: int, prefix_tokens: int,
-                 decoder: Any | None, stop_tokens: Sequence[int], stop: Sequence[str],
-                 loop: asyncio.AbstractEventLoop | None, condition: threading.Condition | None) -> None:
-        self.id = request_id
-        self.prompt_tokens = prompt_tokens
-        self.prefix_tokens = prefix_tokens  # cartridge tokens in front of the prompt
-        self.tokens: list[int] = []
-        self.logprobs: list[TokenLogprob] = []
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        self._engine = engine
-        self._decoder = decoder
-        self._stop_tokens = set(stop_tokens)
-        self._stop = [s for s in stop if s]
-        self._held = ""  # decoded text not released yet (could start a stop sequence)
-        self._events: collections.deque = collections.deque()
-        self._condition = condition or threading.Condition()
-        self._loop = loop
-        self._wakeup: asyncio.Event | None = asyncio.Event() if loop is not None else None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    # -- delivery (dispatcher thread) ------------------------------------------------------
-
-    def _deliver(self, events: list) -> None:
-        with self._condition:
-            self._events.extend(events)
-            self._condition.notify_all()
-
-    def _wake(self) -> None:  # on the stream's event loop
-        if self._wakeup is not None:
-            self._wakeup.set()
-
-    # -- consumption -----------------------------------------------------------------------
-
-    def _take(self) -> list[Delta]:
-        """Turns the delivered events into deltas (detokenization, stop sequences)."""
-        with self._condition:
-            events = list(self._events)
-            self._events.clear()
-        out: list[Delta] = []
-        for e in events:
-            if self.finished:
-                break  # ended here (stop sequence, close): later events are dropped
-            if e.finished:
-                self._finish(e.finish_reason, e.error or None, out)
-                continue
-            self.tokens.append(e.token)
-            lp = None
-            if e.top_ids:
-                lp = TokenLogprob(e.token, e.logprob, list(zip(e.top_ids, e.top_logprobs)))
-                self.logprobs.append(lp)
-            text = ""
-            if self._decoder is not None and e.token not in self._stop_tokens:
-                text = self._release(self._decoder.feed(e.token))
-            out.append(Delta(text, e.token, lp))
-        return out
-
-    def _release(self, piece: str) -> str:
-        """Adds decoded text; returns what can be shown now. A stop sequence ends the request
-        there: the text before it is released, the rest never is."""
-        self._held += piece
-        hits = [i for i in (self._held.find(s) for s in self._stop) if i >= 0]
-        if hits:
-            released, self._held = self._held[: min(hits)], ""
-            self.text += released
-            self._end("stop", None)
-            self._engine.core.cancel(self.id)
-            return released
-        keep = max((len(s) for s in self._stop), default=1) - 1  # could be the start of a stop
-        cut = len(self._held) - keep
-        released, self._held = self._held[:cut], self._held[cut:]
-        self.text += released
-        return released
-
-    def _finish(self, reason: str, error: str | None, out: list[Delta]) -> None:
-        if reason != "error" and self._decoder is not None and (tail := self._decoder.flush()):
-            if text := self._release(tail):
-                out.append(Delta(text))
-            if self.finished:  # the tail completed a stop sequence
-                return
-        if self._held:  # nothing more can come: what was held back is text after all
-            out.append(Delta(self._held))
-            self.text += self._held
-            self._held = ""
-        self._end(reason, error)
-
-    def _end(self, reason: str, error: str | None) -> None:
-        self.finish_reason = reason
-        self.error = error
-        self._engine._forget(self.id)
-
-    def _raise_on_error(self) -> None:
-        if self.finish_reason == "error":
-            raise GenerationError(self.error or "generation failed")
-
-    def __iter__(self) -> Iterator[Delta]:
-        try:
-            while True:
-                yield from self._take()
-                if self.finished:
-                    self._raise_on_error()
-                    return
-                with self._condition:
-                    while not self._events:
-                        self._condition.wait()
-        finally:
-            self.close()
-
-    async def __aiter__(self) -> AsyncIterator[Delta]:
-        if self._wakeup is None:
-            raise RuntimeError("this stream was submitted outside an event loop; iterate it without `async`")
-        try:
-            while True:
-                for delta in self._take():
-                    yield delta
-                if self.finished:
-                    self._raise_on_error()
-                    return
-                self._wakeup.clear()
-                with self._condition:
-                    pending = bool(self._events)
-                if not pending:
-                    await self._wakeup.wait()
-        finally:
-            self.close()
-
-    def result(self) -> Completion:
-        """Waits for the end and returns the whole completion."""
-        for _ in self:
-            pass
-        return Completion(self.tokens, self.text, self.finish_reason or "cancelled", self.logprobs)
-
-    def close(self) -> None:
-        """Cancels the request if it is still going; the tokens so far stay. A consumer
-        waiting on the stream (in any thread or task) wakes up and sees it finished."""
-        if not self.finished:
-            self._engine.core.cancel(self.id)
-            self._end("cancelled", None)
-            with self._condition:
-                self._condition.notify_all()
-            if self._loop is not None:
-                try:
-                    self._loop.call_soon_threadsafe(self._wake)
-                except RuntimeError:
-                    pass  # its loop is closed
-
-    def __enter__(self) -> Stream:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
 
 
 class Engine:
@@ -250,7 +54,7 @@ class Engine:
                 raise TypeError(f"unknown engine option {key!r}")
             setattr(opts, key, int(value))
         self.model = model
-        self.core = core.Engine(model.core, opts)
+        self.native = core.Engine(model.native, opts)
         self._streams: dict[int, Stream] = {}
         self._opening: list[int] | None = None  # see template_opening()
         self._lock = threading.Lock()
@@ -260,14 +64,14 @@ class Engine:
 
     @property
     def options(self) -> core.EngineOptions:
-        return self.core.options
+        return self.native.options
 
     @property
     def cartridges(self) -> core.CartridgeCache:
-        return self.core.cartridges
+        return self.native.cartridges
 
     def stats(self) -> core.EngineStats:
-        return self.core.stats()
+        return self.native.stats()
 
     def submit(self, prompt: Sequence[int], *, prefixes: Sequence[Any] = (), seed: int | None = None,
                weigh_from: int | None = None, **sampling: Any) -> Stream:
@@ -275,19 +79,21 @@ class Engine:
         return self.submit_many([prompt], prefixes=[prefixes], seeds=[seed],
                                 weigh_from=None if weigh_from is None else [weigh_from], **sampling)[0]
 
+    # Longer than 60 lines: a signature of every sampling option with its docstring, then one
+    # validation and one submission.
     def submit_many(
         self,
         prompts: Sequence[Sequence[int]],
         *,
         prefixes: Sequence[Sequence[Any]] | None = None,
         seeds: Sequence[int | None] | None = None,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        max_new_tokens: int = DEFAULT_SAMPLING.max_new_tokens,
+        temperature: float = DEFAULT_SAMPLING.temperature,
+        top_p: float = DEFAULT_SAMPLING.top_p,
+        top_k: int = DEFAULT_SAMPLING.top_k,
         stop_token_ids: Sequence[int] | None = None,
         stop: Sequence[str] = (),
-        logprobs: int = 0,
+        logprobs: int = DEFAULT_SAMPLING.logprobs,
         priority: str = "interactive",
         composition: str = "mixture",
         weigh_from: Sequence[int] | None = None,
@@ -333,7 +139,7 @@ class Engine:
         tokenizer = self.model.tokenizer
         with self._lock:
             try:
-                ids = self.core.submit_all(requests, _PRIORITIES[priority], COMPOSITIONS[composition])
+                ids = self.native.submit_all(requests, _PRIORITIES[priority], COMPOSITIONS[composition])
             except RuntimeError as error:
                 if isinstance(error, (EngineBusyError, EngineStoppedError)):
                     raise
@@ -367,7 +173,7 @@ class Engine:
 
     def close(self) -> None:
         """Cancels everything and stops the compute thread."""
-        self.core.shutdown()
+        self.native.shutdown()
         if self._dispatcher is not threading.current_thread():
             self._dispatcher.join(timeout=5)
 
@@ -377,9 +183,9 @@ class Engine:
 
     def _dispatch(self) -> None:
         while True:
-            events = self.core.poll(_POLL)
+            events = self.native.poll(_POLL)
             if not events:
-                if not self.core.running:
+                if not self.native.running:
                     return
                 continue
             by_stream: dict[int, list] = {}

@@ -20,7 +20,8 @@ import torch
 
 import cartridges_core as core
 
-from .engine import Completion, Engine, GenerationError, Stream, as_prefix
+from .engine import DEFAULT_SAMPLING, Engine, as_prefix
+from .stream import Completion, GenerationError, Stream
 from .models import ChatTokenizer, LoadedModel, ModelConfig, ModelLoadError, load_weights
 from .models.tokenizer import Message
 
@@ -53,8 +54,8 @@ class Model:
         self.name = name
         self.source = source
         self.fingerprint = _fingerprint(config, tensors)
-        self.core = core.LlamaModel(config.to_core(), tensors, device, dtype or default_dtype(device), quantized or {})
-        self.core.int8_activations = int8_activations
+        self.native = core.LlamaModel(config.to_core(), tensors, device, dtype or default_dtype(device), quantized or {})
+        self.native.int8_activations = int8_activations
         self._engine: Engine | None = None
         self._engine_lock = threading.Lock()
 
@@ -70,11 +71,11 @@ class Model:
 
     @property
     def device(self) -> str:
-        return self.core.device
+        return self.native.device
 
     @property
     def dtype(self) -> str:
-        return self.core.dtype
+        return self.native.dtype
 
     @property
     def context_length(self) -> int:
@@ -106,14 +107,14 @@ class Model:
         self,
         prompts: Sequence[Sequence[int]],
         *,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        max_new_tokens: int = DEFAULT_SAMPLING.max_new_tokens,
+        temperature: float = DEFAULT_SAMPLING.temperature,
+        top_p: float = DEFAULT_SAMPLING.top_p,
+        top_k: int = DEFAULT_SAMPLING.top_k,
         seed: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
         stop: Sequence[str] = (),
-        logprobs: int = 0,
+        logprobs: int = DEFAULT_SAMPLING.logprobs,
         prefixes: Prefixes | Sequence[Prefixes] | None = None,
         on_token: Callable[[int, int], bool | None] | None = None,
         priority: str = "interactive",
@@ -160,8 +161,8 @@ class Model:
         mixture of cartridges weighs them from there on."""
         return self._tokenizer().conversation_start(messages, add_generation_prompt=True, prompt=prompt)
 
-    def chat(self, messages: Sequence[Message], *, cartridges: Prefixes = (), max_tokens: int = 256,
-             **sampling) -> str:
+    def chat(self, messages: Sequence[Message], *, cartridges: Prefixes = (),
+             max_tokens: int = DEFAULT_SAMPLING.max_new_tokens, **sampling) -> str:
         """The assistant's reply to `messages`, with cartridges (KV prefixes) as context (several
         are composed by mixture; `composition="concatenate"` puts their KV one after another)."""
         prompt = self.encode_chat(messages)
@@ -169,8 +170,8 @@ class Model:
         return self.generate([prompt], prefixes=list(cartridges), max_new_tokens=max_tokens, weigh_from=[start],
                              **sampling)[0].text
 
-    def stream_chat(self, messages: Sequence[Message], *, cartridges: Prefixes = (), max_tokens: int = 256,
-                    **sampling) -> Iterator[str]:
+    def stream_chat(self, messages: Sequence[Message], *, cartridges: Prefixes = (),
+                    max_tokens: int = DEFAULT_SAMPLING.max_new_tokens, **sampling) -> Iterator[str]:
         """Yield the reply's text as it is generated. Closing the iterator stops generation."""
         prompt = self.encode_chat(messages)
         start = self.conversation_start(messages, prompt)

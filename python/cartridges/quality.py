@@ -25,7 +25,7 @@ import torch
 
 import cartridges_core
 
-from .cartridge import Cartridge, core_model
+from .cartridge import Cartridge, native_model
 from .selfstudy.chunking import PARTS
 
 Params = Cartridge | cartridges_core.CartridgeParams
@@ -47,13 +47,13 @@ def held_out_loss(model: Any, prefix: Params, data: cartridges_core.TrainingData
     """Mean distillation loss per answer token of `prefix` (a `Cartridge` or trainable
     `CartridgeParams`) on `data` (on its `rows`, all by default): the loss training minimizes,
     without training."""
-    core = core_model(model)
+    native = native_model(model)
     params = _as_params(prefix)
     rows = list(range(int(data.tokens.shape[0]))) if rows is None else rows
     total, count = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(rows), max(1, batch_size)):
-            loss_sum, targets = cartridges_core.distillation_loss_sum(core, params, data, rows[start:start + batch_size])
+            loss_sum, targets = cartridges_core.distillation_loss_sum(native, params, data, rows[start:start + batch_size])
             total += float(loss_sum)
             count += int(targets)
     if count == 0:

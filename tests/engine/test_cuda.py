@@ -28,7 +28,7 @@ def test_forward_as_close_to_float32_as_transformers_in_bfloat16(pair):
         exact = hf(tokens).logits
         theirs = hf.to("cuda", torch.bfloat16)(tokens.cuda()).logits.float().cpu()
         hf.to("cpu", torch.float32)
-    ours = model.core.forward(tokens).float().cpu()
+    ours = model.native.forward(tokens).float().cpu()
     scale = exact.abs().max()
     our_error, their_error = (ours - exact).abs().max() / scale, (theirs - exact).abs().max() / scale
     assert our_error < 0.05 and our_error <= 2 * their_error + 0.005, (float(our_error), float(their_error))
@@ -47,7 +47,7 @@ def test_batched_requests_equal_each_alone(pair):
 def test_cartridge_equals_its_text_in_context(pair):
     _, model = pair
     doc = torch.randint(VOCAB, (12,), generator=torch.Generator().manual_seed(2))
-    prefix = model.core.prefix_from_tokens(doc.cuda())
+    prefix = model.native.prefix_from_tokens(doc.cuda())
     prompt = [5, 6, 7, 8]
     with_cartridge = model.generate([prompt], prefixes=[prefix], max_new_tokens=10, stop_token_ids=[], logprobs=1)[0]
     in_context = model.generate([doc.tolist() + prompt], max_new_tokens=10, stop_token_ids=[], logprobs=1)[0]
@@ -61,7 +61,7 @@ def test_logprobs_close_to_a_full_forward(pair):
     _, model = pair
     prompt = [3, 1, 4, 1, 5, 9]
     completion = model.generate([prompt], max_new_tokens=6, stop_token_ids=[], logprobs=3)[0]
-    full = torch.log_softmax(model.core.forward(torch.tensor([prompt + completion.tokens]))[0].float(), -1).cpu()
+    full = torch.log_softmax(model.native.forward(torch.tensor([prompt + completion.tokens]))[0].float(), -1).cpu()
     for i, lp in enumerate(completion.logprobs):
         assert lp.logprob == pytest.approx(full[len(prompt) - 1 + i, lp.token].item(), abs=0.1)
 
@@ -70,13 +70,13 @@ def test_mixture_of_two_cartridges_close_to_the_bayesian_mixture_of_full_forward
     _, model = pair
     g = torch.Generator().manual_seed(5)
     docs = [torch.randint(VOCAB, (n,), generator=g) for n in (8, 11)]
-    kv = [model.core.prefix_from_tokens(d.cuda()) for d in docs]
+    kv = [model.native.prefix_from_tokens(d.cuda()) for d in docs]
     prompt = torch.randint(VOCAB, (20,), generator=g).tolist()
     mixed = model.generate([prompt], prefixes=kv, max_new_tokens=6, stop_token_ids=[], logprobs=1)[0]
     text = prompt + mixed.tokens
     each = []
     for doc in docs:
-        logits = model.core.forward(torch.tensor([doc.tolist() + text]))[0, len(doc):-1].float().cpu()
+        logits = model.native.forward(torch.tensor([doc.tolist() + text]))[0, len(doc):-1].float().cpu()
         each.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(text[1:])[:, None])[:, 0])
     each = torch.stack(each).double()
     before = torch.cat([torch.zeros(2, 1, dtype=torch.float64), each.cumsum(1)[:, :-1]], 1)

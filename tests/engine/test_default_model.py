@@ -32,7 +32,7 @@ def ours():
 def ours_int8():
     """The default: decode steps round activations to 8 bits (llama.cpp's arithmetic)."""
     model = cartridges.load_model()
-    assert model.core.int8_activations
+    assert model.native.int8_activations
     return model
 
 
@@ -48,7 +48,7 @@ def test_logits_match_transformers(ours, theirs):
     tokens = torch.tensor([prompt])
     with torch.no_grad():
         expected = theirs(tokens).logits
-    got = ours.core.forward(tokens)
+    got = ours.native.forward(tokens)
     assert (got - expected).abs().max().item() <= 1e-3
 
 
@@ -75,9 +75,9 @@ def test_int8_decode_step_stays_close_to_float32(ours, ours_int8):
     prompt = ours.encode_chat(CHATS[1])
     steps = []
     for model in (ours, ours_int8):
-        cache = model.core.new_cache(1, len(prompt) + 1)
-        model.core.forward(torch.tensor([prompt]), cache=cache)  # prefill: float32 GEMM both ways
-        steps.append(model.core.forward(torch.tensor([[prompt[-1]]]), cache=cache)[0, -1])
+        cache = model.native.new_cache(1, len(prompt) + 1)
+        model.native.forward(torch.tensor([prompt]), cache=cache)  # prefill: float32 GEMM both ways
+        steps.append(model.native.forward(torch.tensor([[prompt[-1]]]), cache=cache)[0, -1])
     exact, rounded = steps
     assert not torch.equal(exact, rounded)  # really the other arithmetic
     # Rounding to 8 bits moves logits by a small fraction of their spread, not more.
@@ -94,11 +94,11 @@ def test_int8_keeps_the_likelihood_of_text(ours, ours_int8):
     ids = ours.tokenizer.encode(text)[:257]
     losses = []
     for model in (ours, ours_int8):
-        cache = model.core.new_cache(1, len(ids))
+        cache = model.native.new_cache(1, len(ids))
         total = 0.0
         for start in range(0, len(ids) - 1, 16):
             chunk = ids[start:min(start + 16, len(ids) - 1)]
-            logits = model.core.forward(torch.tensor([chunk]), cache=cache)[0]
+            logits = model.native.forward(torch.tensor([chunk]), cache=cache)[0]
             targets = torch.tensor(ids[start + 1:start + 1 + len(chunk)])
             total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
         losses.append(total / (len(ids) - 1))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cartridges import ContextLengthError, Engine, EngineBusyError
-from cartridges.engine import choice_seeds
+from cartridges.stream import choice_seeds
 from tiny_models import VOCAB, build_pair
 
 
@@ -85,7 +85,7 @@ def test_logprobs_equal_a_full_forward(model, engine):
     stream = engine.submit(prompt, max_new_tokens=5, stop_token_ids=[], logprobs=4)
     completion = stream.result()
     tokens = torch.tensor([prompt + completion.tokens])
-    logprobs = torch.log_softmax(model.core.forward(tokens)[0], -1)
+    logprobs = torch.log_softmax(model.native.forward(tokens)[0], -1)
     for i, lp in enumerate(completion.logprobs):
         row = logprobs[len(prompt) - 1 + i]
         assert lp.logprob == pytest.approx(row[lp.token].item(), abs=1e-4)
@@ -109,7 +109,7 @@ def test_n_choices_are_distinct_and_repeatable(model):
 
 def test_cartridge_cache_through_the_engine(model, engine):
     doc = torch.randint(VOCAB, (10,), generator=torch.Generator().manual_seed(2))
-    prefix = model.core.prefix_from_tokens(doc)
+    prefix = model.native.prefix_from_tokens(doc)
     engine.cartridges.put("user/doc/abc12345", prefix)
     cached = engine.cartridges.get("user/doc/abc12345")
     got = engine.submit([4, 5, 6], prefixes=[cached], max_new_tokens=8, stop_token_ids=[]).result()
@@ -125,7 +125,7 @@ def bayesian_mixture(model, docs: list[torch.Tensor], text: list[int], weigh_fro
     each = []  # [C, T-1]: log p(text[t] | doc c, text[<t]) for t >= 1
     for doc in docs:
         with torch.no_grad():
-            logits = model.core.forward(torch.tensor([doc.tolist() + text]))[0, len(doc):-1]
+            logits = model.native.forward(torch.tensor([doc.tolist() + text]))[0, len(doc):-1]
         each.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(text[1:])[:, None])[:, 0])
     each = torch.stack(each).double()
     counted = each.clone()
@@ -140,7 +140,7 @@ def test_several_cartridges_mix_by_default_and_concatenate_on_request(model, eng
     both KV in front, in order."""
     g = torch.Generator().manual_seed(4)
     docs = [torch.randint(VOCAB, (n,), generator=g) for n in (8, 11)]
-    kv = [model.core.prefix_from_tokens(d) for d in docs]
+    kv = [model.native.prefix_from_tokens(d) for d in docs]
     prompt = torch.randint(VOCAB, (40,), generator=g).tolist()  # longer than a prefill step
     kwargs = dict(max_new_tokens=6, stop_token_ids=[], logprobs=1)
     mixed = engine.submit(prompt, prefixes=kv, **kwargs).result()
@@ -149,7 +149,7 @@ def test_several_cartridges_mix_by_default_and_concatenate_on_request(model, eng
 
     concatenated = engine.submit(prompt, prefixes=kv, composition="concatenate", **kwargs).result().tokens
     with torch.no_grad():
-        logits = model.core.forward(torch.tensor([prompt + concatenated]), prefixes=[kv])[0]
+        logits = model.native.forward(torch.tensor([prompt + concatenated]), prefixes=[kv])[0]
     assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == concatenated  # greedy, both KV in front
     with pytest.raises(ValueError, match="composition"):
         engine.submit(prompt, prefixes=kv, composition="average", **kwargs)
@@ -160,7 +160,7 @@ def test_a_mixture_weighs_its_cartridges_from_weigh_from(model, engine):
     nothing to the weights; the output always does."""
     g = torch.Generator().manual_seed(6)
     docs = [torch.randint(VOCAB, (n,), generator=g) for n in (8, 11)]
-    kv = [model.core.prefix_from_tokens(d) for d in docs]
+    kv = [model.native.prefix_from_tokens(d) for d in docs]
     prompt = torch.randint(VOCAB, (40,), generator=g).tolist()
     kwargs = dict(max_new_tokens=6, stop_token_ids=[], logprobs=1)
     for weigh_from in (25, 40, 100):

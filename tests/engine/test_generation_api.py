@@ -80,7 +80,7 @@ def test_generation_releases_the_gil(model):
 def test_per_prompt_prefixes(model):
     g = torch.Generator().manual_seed(0)
     doc_a, doc_b = torch.randint(VOCAB, (6,), generator=g), torch.randint(VOCAB, (4,), generator=g)
-    a, b = model.core.prefix_from_tokens(doc_a), model.core.prefix_from_tokens(doc_b)
+    a, b = model.native.prefix_from_tokens(doc_a), model.native.prefix_from_tokens(doc_b)
     prompt = [5, 6, 7]
     kwargs = dict(max_new_tokens=8, stop_token_ids=[])
     batched = model.generate([prompt, prompt], prefixes=[[a], [b]], **kwargs)
@@ -103,7 +103,7 @@ def test_cartridge_objects_are_accepted_as_prefixes(model):
     from cartridges import Cartridge
 
     doc = torch.randint(VOCAB, (8,), generator=torch.Generator().manual_seed(1))
-    prefix = model.core.prefix_from_tokens(doc)
+    prefix = model.native.prefix_from_tokens(doc)
     cart = Cartridge.from_params(cartridges_core.CartridgeParams(prefix, 1))
     kwargs = dict(max_new_tokens=8, stop_token_ids=[])
     with_object = model.generate([[5, 6, 7]], prefixes=[cart], **kwargs)[0].tokens

@@ -17,8 +17,8 @@ def test_prefill_and_decode_match_transformers(model_pair):
     tokens = torch.randint(VOCAB, (2, 11))
     with torch.no_grad():
         out = hf(tokens, use_cache=True)
-    cache = ours.core.new_cache(2, 11 + 16)
-    logits = ours.core.forward(tokens, cache=cache)
+    cache = ours.native.new_cache(2, 11 + 16)
+    logits = ours.native.forward(tokens, cache=cache)
     assert (logits - out.logits).abs().max().item() <= TOL
     # A logit scale that makes the tolerance meaningful.
     assert out.logits.abs().max().item() > 1.0
@@ -28,7 +28,7 @@ def test_prefill_and_decode_match_transformers(model_pair):
     for step in range(16):
         with torch.no_grad():
             out = hf(next_tokens, past_key_values=past, use_cache=True)
-        step_logits = ours.core.forward(next_tokens, cache=cache)
+        step_logits = ours.native.forward(next_tokens, cache=cache)
         diff = (step_logits - out.logits).abs().max().item()
         assert diff <= TOL, f"decode step {step}: max |Δ| = {diff}"
         past = out.past_key_values
@@ -53,19 +53,19 @@ def test_prefix_equals_tokens_in_context(model_pair):
     _, ours = model_pair
     g = torch.Generator().manual_seed(3)
     doc, other, prompt = (torch.randint(VOCAB, (n,), generator=g) for n in (9, 5, 6))
-    first = ours.core.prefix_from_tokens(doc)
-    in_context = ours.core.forward(torch.cat([doc, prompt])[None])[0, 9:]
-    with_prefix = ours.core.forward(prompt[None], prefixes=[[first]])[0]
+    first = ours.native.prefix_from_tokens(doc)
+    in_context = ours.native.forward(torch.cat([doc, prompt])[None])[0, 9:]
+    with_prefix = ours.native.forward(prompt[None], prefixes=[[first]])[0]
     assert (with_prefix - in_context).abs().max().item() <= TOL
 
     # The second prefix: KV of `other` computed after `doc` (positions 9..13).
-    cache = ours.core.new_cache(1, 14)
-    ours.core.forward(torch.cat([doc, other])[None], cache=cache)
+    cache = ours.native.new_cache(1, 14)
+    ours.native.forward(torch.cat([doc, other])[None], cache=cache)
     import cartridges_core as core
 
     second = core.KVPrefix([k[0, :, 9:14].clone() for k in cache.keys], [v[0, :, 9:14].clone() for v in cache.values])
-    in_context = ours.core.forward(torch.cat([doc, other, prompt])[None])[0, 14:]
-    composed = ours.core.forward(prompt[None], prefixes=[[first, second]])[0]
+    in_context = ours.native.forward(torch.cat([doc, other, prompt])[None])[0, 14:]
+    composed = ours.native.forward(prompt[None], prefixes=[[first, second]])[0]
     assert (composed - in_context).abs().max().item() <= TOL
 
 

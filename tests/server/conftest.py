@@ -205,3 +205,16 @@ def upload_text(client: openai.OpenAI, text: str, name: str = "doc.txt", purpose
     while client.files.retrieve(created.id).status == "uploaded" and time.monotonic() < deadline:
         time.sleep(0.05)
     return created.id
+
+
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator[LiveServer]:
+    """A live server on the tiny model, whose id is `tiny`; one per test module."""
+    named = tmp_path_factory.mktemp("chat-model") / "tiny"  # the base model's id is its directory's name
+    named.symlink_to(tiny_model_dir, target_is_directory=True)
+    live = LiveServer(tmp_path_factory.mktemp("chat") / "data", model=named,
+                      env={"CARTRIDGES_WORKER_THREADS": "1"}).start()
+    try:
+        yield live
+    finally:
+        live.stop()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -25,22 +24,10 @@ pytestmark = pytest.mark.slow
 
 # An untrained cartridge, in effect: a learning rate far below float32's resolution leaves
 # the initialization (the KV of the document's first tokens) as it was.
-UNTRAINED = {**TINY_TRAIN_CONFIG, "num_tokens": 24, "lr": 1e-30}
+UNTRAINED = {**TINY_TRAIN_CONFIG, "num_tokens": 24, "learning_rate": 1e-30}
 OTHER_DOCUMENT = "The ferry Maribel crosses the lake twice a day. Its captain, Ilse Varn, keeps goats. " * 3
 MESSAGES = [{"role": "user", "content": "Who rings the bell?"}]
 EXPECTED_DEVICE = os.environ.get("CARTRIDGES_DEVICE", "cpu")  # the servers' (CI: cpu; a GPU check: cuda)
-
-
-@pytest.fixture(scope="module")
-def chat_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator[LiveServer]:
-    named = tmp_path_factory.mktemp("chat-model") / "tiny"  # the base model's id is its directory's name
-    named.symlink_to(tiny_model_dir, target_is_directory=True)
-    live = LiveServer(tmp_path_factory.mktemp("chat") / "data", model=named,
-                      env={"CARTRIDGES_WORKER_THREADS": "1"}).start()
-    try:
-        yield live
-    finally:
-        live.stop()
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +209,7 @@ def test_composed_cartridges_mix_by_default(chat_server: LiveServer, model: cart
     reply = greedy(client, "tiny", max_tokens=12, logprobs=True, top_logprobs=2, messages=messages,
                    extra_body={"cartridges": [owner["bells"], owner["ferry"]]})
     assert reply.usage.prompt_tokens_details.cached_tokens == 48
-    kv = [model.core.prefix_from_tokens(torch.tensor(Corpus.from_texts(model.tokenizer, [text]).tokens[:24]))
+    kv = [model.native.prefix_from_tokens(torch.tensor(Corpus.from_texts(model.tokenizer, [text]).tokens[:24]))
           for text in (DOCUMENT, OTHER_DOCUMENT)]
     expected = model.generate([model.encode_chat(messages)], prefixes=kv, max_new_tokens=12, logprobs=2,
                               weigh_from=[model.conversation_start(messages)])[0]
@@ -307,49 +294,6 @@ def test_status_and_metrics(chat_server: LiveServer, owner: dict) -> None:
 
 
 # -- bad input ---------------------------------------------------------------------------------
-
-BAD_BODIES = [
-    ({}, "model"),
-    ({"model": "tiny"}, "messages"),
-    ({"model": "tiny", "messages": []}, "messages"),
-    ({"model": "tiny", "messages": "hello"}, "messages"),
-    ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "role"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": 12}]}, None),
-    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image", "x": 1}]}]}, None),
-    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "file", "file": {}}]}]}, None),
-    ({"model": 7, "messages": [{"role": "user", "content": "x"}]}, "model"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 1000}, "n"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 2.5}, "temperature"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}, "max_tokens"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
-     "top_logprobs"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "seed": "x"}, "seed"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": "maybe"}, "stream"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "cartridges": [5]}, None),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "cartridges": "abc"}, "cartridges"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}, "messages"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 2000}]}, "messages"),
-]
-
-
-@pytest.mark.parametrize("body,param", BAD_BODIES, ids=[str(i) for i in range(len(BAD_BODIES))])
-def test_bad_chat_bodies_are_400(chat_server: LiveServer, body: dict, param: str | None) -> None:
-    response = chat_server.http().post("/v1/chat/completions", json=body)
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["type"] == "invalid_request_error" and error["code"] and error["message"]
-    if param is not None:
-        assert error["param"] == param
-    if "max_tokens" in body and body["max_tokens"] == 5000 or "word" in str(body):
-        assert error["code"] == "context_length_exceeded"
-
 
 def test_other_bad_requests(chat_server: LiveServer, owner: dict) -> None:
     http = chat_server.http()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from cartridges.engine import Delta, GenerationError
+from cartridges.stream import Delta, GenerationError
 from cartridges.server.completions import events
 
 

@@ -41,6 +41,7 @@ _SPLITS = {
 }
 
 
+# Longer than 60 lines: the GGUF tokenizer metadata mapped field by field onto a `tokenizers` BPE.
 def build_gguf_tokenizer(meta: Mapping[str, Any], path: str | os.PathLike[str]) -> ChatTokenizer:
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":

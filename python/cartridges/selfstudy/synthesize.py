@@ -21,7 +21,7 @@ import torch
 
 import cartridges_core
 
-from ..cartridge import core_model
+from ..cartridge import native_model
 from ..models.tokenizer import common_prefix_len
 from .chunking import PARTS, BatchView, Corpus, Span, part_view, plan_views
 from .config import TrainConfig
@@ -65,12 +65,12 @@ WINDOW_CACHE_BYTES = 256 << 20
 class Synthesizer:
     def __init__(self, model, config: TrainConfig) -> None:
         self.model = model
-        self.core = core_model(model)
+        self.native = native_model(model)
         self.engine = model.engine
         self.tok = model.tokenizer
         self.config = config
         self.stop = list(self.tok.eos_token_ids)
-        context = self.core.config.max_position_embeddings
+        context = self.native.config.max_position_embeddings
         # B's prompt holds the window and A's message, then B answers: the window gets the rest
         # (and the chunk, which B sees too, no more).
         overhead = len(self.prompt("", "x")) + _TEMPLATE_MARGIN
@@ -107,7 +107,7 @@ class Synthesizer:
         """The KV of the prompt part that holds `document` (the same for every user message)."""
         probes = [self.prompt(document, "A"), self.prompt(document, "B")]
         shared = common_prefix_len(probes)
-        return self.core.prefix_from_tokens(torch.tensor(probes[0][:shared], dtype=torch.long)), shared
+        return self.native.prefix_from_tokens(torch.tensor(probes[0][:shared], dtype=torch.long)), shared
 
     def window_kv(self, corpus: Corpus, window: Span) -> tuple[str, cartridges_core.KVPrefix, int]:
         """The window's text and KV, kept while they fit WINDOW_CACHE_BYTES (least recently
@@ -155,10 +155,10 @@ class Synthesizer:
             # Rows of similar length together: cloze rows have a few answer tokens, recall rows 128.
             for group in cartridges_core.length_groups([len(r) for r in rows]):
                 tokens, lengths = _pad([rows[i] for i in group])
-                hidden = self.core.forward_hidden(tokens, num_new=lengths, prefixes=[prefixes] * len(group))
+                hidden = self.native.forward_hidden(tokens, num_new=lengths, prefixes=[prefixes] * len(group))
                 for row, i in enumerate(group):
                     start = len(prompts[i]) - shared - 1  # the position that predicts the answer's first token
-                    logits = self.core.logits(hidden[row, start : start + len(answers[i])]).float()
+                    logits = self.native.logits(hidden[row, start : start + len(answers[i])]).float()
                     values, ids = torch.log_softmax(logits, -1).topk(self.config.top_k, -1)
                     out[i] = (ids.cpu().contiguous(), values.cpu().contiguous())
         return out
@@ -321,7 +321,7 @@ def student_tokens(tokenizer, question: str) -> list[int]:
 def fitting(model, conversations: Sequence[Conversation], prefix_tokens: int) -> list[Conversation]:
     """The conversations whose question leaves room for an answer token next to the prefix in
     the context: those training_data keeps, in order."""
-    context = core_model(model).config.max_position_embeddings
+    context = native_model(model).config.max_position_embeddings
     return [c for c in conversations
             if context - prefix_tokens - len(student_tokens(model.tokenizer, c.question)) >= 1]
 
@@ -330,7 +330,7 @@ def training_data(model, conversations: Sequence[Conversation], prefix_tokens: i
     """Conversations as the student sees them (no chunk), right-padded, with the teacher's
     top-k at each answer token. Answers are cut so that prefix + conversation fit the context;
     a conversation whose question alone leaves no room is left out (`fitting`)."""
-    context = core_model(model).config.max_position_embeddings
+    context = native_model(model).config.max_position_embeddings
     rows, targets_ids, targets_lp, spans = [], [], [], []
     for c in fitting(model, conversations, prefix_tokens):
         prompt = student_tokens(model.tokenizer, c.question)

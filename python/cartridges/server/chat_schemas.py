@@ -1,4 +1,4 @@
-"""Bodies of chat completions, models, preload, health and status (docs/api.md §3–4).
+"""Bodies of chat completions (docs/api.md §4).
 
 Chat requests follow OpenAI's: unknown fields are ignored (clients send many), known ones are
 checked, and a bad one is a 400 naming it."""
@@ -12,7 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 MAX_STOP_SEQUENCES = 4
 MAX_CHOICES = 16
 MAX_TOP_LOGPROBS = 20
-MAX_PRELOAD_IDS = 256
 
 
 class TextPart(BaseModel):
@@ -90,23 +89,3 @@ class ChatCompletionRequest(BaseModel):
         if top is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs 'logprobs': true")
         return top
-
-
-class ModelObject(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(description="When it was loaded (Unix seconds).")
-    owned_by: str = "cartridges"
-    parent: str | None = Field(default=None, description="The base model a cartridge belongs to.")
-    num_tokens: int | None = Field(default=None, description="Cartridge length in tokens.")
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelObject]
-
-
-class Health(BaseModel):
-    status: Literal["healthy", "unhealthy"]
-    device: str
-    loaded_cartridges: list[str] = Field(description="Only those the presented key may see.")

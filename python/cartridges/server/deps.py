@@ -1,16 +1,22 @@
-"""Dependencies of the routes, as `Annotated` aliases: the store, settings, the caller."""
+"""Dependencies of the routes, as `Annotated` aliases: the store, settings, the serving side
+(engine and cartridges), the training supervisor, metrics, the text extractor and the caller.
+Routes take what they use through these, never from `request.app.state` directly."""
 
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from cartridges.jobs.supervisor import Supervisor
 from cartridges.server.errors import APIError
+from cartridges.server.extraction import Extractor
 from cartridges.server.keys import hash_key
+from cartridges.server.metrics import Metrics
+from cartridges.server.principal import Principal
+from cartridges.server.serving import Serving
 from cartridges.server.settings import Settings
 
 
@@ -22,24 +28,28 @@ def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
+def get_serving(request: Request) -> Serving:
+    return request.app.state.serving
+
+
+def get_supervisor(request: Request) -> Supervisor:
+    return request.app.state.supervisor
+
+
+def get_metrics(request: Request) -> Metrics:
+    return request.app.state.metrics
+
+
+def get_extractor(request: Request) -> Extractor:
+    return request.app.state.extractor
+
+
 StoreDep = Annotated[Any, Depends(get_store)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-
-
-@dataclass(frozen=True)
-class Principal:
-    """The caller, from its API key."""
-
-    user_id: int
-    name: str
-    admin: bool = False
-
-    @property
-    def owner(self) -> Any:
-        """What the store takes on every call; the store enforces it."""
-        from cartridges.store import core
-
-        return core().Owner(self.user_id, self.admin)
+ServingDep = Annotated[Serving, Depends(get_serving)]
+SupervisorDep = Annotated[Supervisor, Depends(get_supervisor)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+ExtractorDep = Annotated[Extractor, Depends(get_extractor)]
 
 
 _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <API key>`")
@@ -58,7 +68,7 @@ def bearer_key(request: Request) -> str | None:
 
 def principal_for_key(request: Request, store: Any, key: str) -> Principal | None:
     """Who the key belongs to: the admin (CARTRIDGES_ADMIN_KEY), a user, or nobody."""
-    admin_key = request.app.state.settings.admin_key
+    admin_key = get_settings(request).admin_key
     if admin_key and hmac.compare_digest(key.encode(), admin_key.encode()):
         return Principal(request.app.state.admin_user_id, "admin", admin=True)
     user = store.user_for_key(hash_key(key))

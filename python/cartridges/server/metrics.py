@@ -78,7 +78,7 @@ class _StateCollector(Collector):
                                     value=s.kv_tokens_used)
             yield GaugeMetricFamily("cartridges_kv_pool_tokens", "KV pool size in tokens.", value=s.kv_tokens_total)
             yield GaugeMetricFamily("cartridges_engine_threads", "Intra-op threads of the engine now.",
-                                    value=engine.core.num_threads)
+                                    value=engine.native.num_threads)
             yield CounterMetricFamily("cartridges_engine_steps", "Engine steps run.", value=s.steps)
             yield GaugeMetricFamily("cartridges_cartridge_cache_bytes", "Bytes of loaded cartridges.", value=c.bytes)
             yield GaugeMetricFamily("cartridges_cartridge_cache_budget_bytes", "Cartridge memory budget.",

@@ -10,14 +10,14 @@ caller reaches only its own cartridges and a deleted one is never served.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from cartridges.jobs import base_model_id
-from cartridges.server.deps import Principal
+from cartridges.cores import cpu_cores
+from cartridges.models.default import base_model_id
+from cartridges.server.principal import Principal
 from cartridges.server.errors import APIError
 from cartridges.server.settings import Settings
 from cartridges.store import core
@@ -48,10 +48,6 @@ def resolve_device(device: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class Serving:
@@ -101,7 +97,7 @@ class Serving:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.core.running
+        return self.engine is not None and self.engine.native.running
 
     def require_ready(self) -> tuple[Any, Any]:
         if not self.ready:
@@ -121,7 +117,7 @@ class Serving:
         """From the job supervisor: `running` workers now compute beside the engine."""
         self._running_jobs = running
         if self.engine is not None and self.device == "cpu":
-            self.engine.core.num_threads = self.serve_threads()
+            self.engine.native.num_threads = self.serve_threads()
 
     def close(self) -> None:
         if self.engine is not None:

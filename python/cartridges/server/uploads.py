@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from cartridges.server.errors import APIError
-from cartridges.server.schemas import MEDIA_TYPES, PURPOSES
+from cartridges.server.file_schemas import MEDIA_TYPES, PURPOSES
 
 WRITE_BATCH = 1 << 20
 DRAIN_LIMIT = 1 << 30  # past this, a refused body is no longer read: the connection closes

@@ -12,10 +12,10 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
-from cartridges.engine import GenerationError
+from cartridges.stream import GenerationError
 from cartridges.server import completions
 from cartridges.server.chat_schemas import ChatCompletionRequest
-from cartridges.server.deps import CurrentUser
+from cartridges.server.deps import CurrentUser, MetricsDep, ServingDep
 from cartridges.server.errors import APIError, error_responses
 
 router = APIRouter(tags=["chat"])
@@ -32,19 +32,18 @@ _STREAM_DOC = {"text/event-stream": {"schema": {"type": "string", "description":
                      "`chat.completion.chunk` events.", "content": _STREAM_DOC},
                **error_responses(400, 401, 404, 409, 429, 500, 503)},
 )
-async def create_chat_completion(body: ChatCompletionRequest, request: Request, user: CurrentUser) -> Any:
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, user: CurrentUser,
+                                 serving: ServingDep, metrics: MetricsDep) -> Any:
     """Answers the conversation with the base model, or with cartridges as context: `model` a
     cartridge id (loaded on demand), and/or the `cartridges` extension to compose several in
     order. A `file` content part puts a processed file's text in the prompt. A client that
     disconnects stops its generation."""
     arrived = time.monotonic()
-    serving = request.app.state.serving
     plan = await run_in_threadpool(completions.prepare, serving, user, body)
     answer = completions.Answer(serving, plan, body.model, arrived)
     streams = completions.submit(serving, plan)
     disconnected = asyncio.Event()
     watcher = asyncio.ensure_future(_watch_disconnect(request, disconnected))
-    metrics = request.app.state.metrics
 
     def observe() -> None:
         usage = answer.usage(streams)

@@ -9,9 +9,9 @@ from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
-from cartridges.server.deps import CurrentUser, SettingsDep, StoreDep
+from cartridges.server.deps import CurrentUser, ExtractorDep, SettingsDep, StoreDep
 from cartridges.server.errors import error_responses
-from cartridges.server.schemas import (
+from cartridges.server.file_schemas import (
     MEDIA_TYPES,
     UPLOAD_REQUEST_BODY,
     FileDeleted,
@@ -19,8 +19,8 @@ from cartridges.server.schemas import (
     FileListEntry,
     FileObject,
     Purpose,
-    list_object,
 )
+from cartridges.server.schemas import list_object
 from cartridges.server.uploads import file_extension, receive_upload
 
 router = APIRouter(tags=["files"])
@@ -35,13 +35,14 @@ FileId = Annotated[str, Path(description="The file's id.")]
     responses=error_responses(400, 401, 413, 500),
     openapi_extra={"requestBody": UPLOAD_REQUEST_BODY},
 )
-async def upload_file(request: Request, user: CurrentUser, store: StoreDep, settings: SettingsDep) -> FileObject:
+async def upload_file(request: Request, user: CurrentUser, store: StoreDep, settings: SettingsDep,
+                      extractor: ExtractorDep) -> FileObject:
     """Streams the file into the store; its text is extracted in the background (`status`
     moves from `uploaded` to `processed` or `error`). Type, size and emptiness are checked
     here: a file over the limit is refused while it streams in and leaves nothing behind."""
     upload = await receive_upload(request, store, settings.max_upload_bytes)
     record = await run_in_threadpool(store.create_file, user.owner, upload.writer, upload.filename, upload.purpose)
-    request.app.state.extractor.submit(record.id)
+    extractor.submit(record.id)
     return FileObject.of(record)
 
 

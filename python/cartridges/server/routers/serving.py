@@ -10,18 +10,16 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from cartridges import __version__
-from cartridges.server.chat_schemas import MAX_PRELOAD_IDS, Health, ModelList, ModelObject
-from cartridges.server.deps import CurrentUser, Principal, bearer_key, principal_for_key
+from cartridges.server.serving_schemas import MAX_PRELOAD_IDS, Health, ModelList, ModelObject
+from cartridges.server.deps import (CurrentUser, MetricsDep, Principal, ServingDep, StoreDep, SupervisorDep, bearer_key,
+                                   principal_for_key)
 from cartridges.server.errors import APIError, error_responses
 from cartridges.server.metrics import CONTENT_TYPE, job_counts
-from cartridges.server.serving import CartridgeUnavailable, LoadedCartridge, Serving, cpu_cores
+from cartridges.cores import cpu_cores
+from cartridges.server.serving import CartridgeUnavailable, LoadedCartridge, Serving
 
 router = APIRouter(tags=["models"])  # under /v1 and /api/v1
 root = APIRouter()  # at the root: /health, /preload, /metrics
-
-
-def _serving(request: Request) -> Serving:
-    return request.app.state.serving
 
 
 def _model_object(serving: Serving, loaded: LoadedCartridge) -> ModelObject:
@@ -30,20 +28,18 @@ def _model_object(serving: Serving, loaded: LoadedCartridge) -> ModelObject:
 
 @router.get("/models", summary="List loaded cartridges", response_model=ModelList,
             responses=error_responses(401, 500))
-def list_models(request: Request, user: CurrentUser) -> ModelList:
+def list_models(user: CurrentUser, serving: ServingDep) -> ModelList:
     """The caller's cartridges loaded in memory now, most recently used first; `created` is
     when each was loaded. The base model is not listed; its id works as `model` in chat."""
-    serving = _serving(request)
     return ModelList(data=[_model_object(serving, c) for c in serving.loaded(user)])
 
 
 @router.get("/models/{model_id:path}", summary="Retrieve a model", response_model=ModelObject,
             responses=error_responses(401, 404, 500))
-def retrieve_model(request: Request, user: CurrentUser,
+def retrieve_model(user: CurrentUser, serving: ServingDep,
                    model_id: Annotated[str, Path(description="The base model's id, or a loaded cartridge's.")]
                    ) -> ModelObject:
     """The base model, or one of the caller's loaded cartridges (full or bare run id)."""
-    serving = _serving(request)
     if model_id == serving.model_id:
         return ModelObject(id=serving.model_id, created=int(serving.started_at))
     for loaded in serving.loaded(user):
@@ -60,14 +56,13 @@ def retrieve_model(request: Request, user: CurrentUser,
     responses=error_responses(400, 401, 500, 503),
 )
 async def preload(
-    request: Request,
     user: CurrentUser,
+    serving: ServingDep,
     ids: Annotated[list[str], Body(max_length=MAX_PRELOAD_IDS, description="Cartridge ids (full or bare run ids).",
                                    examples=[["alice/handbook/k3v9x2m1q8"]])],
 ) -> dict[str, str]:
     """Loads each cartridge so that the first chat on it is fast. The answer maps each id, as
     given, to `"loaded"` or `"error: <why>"`; one cartridge's failure never fails the others."""
-    serving = _serving(request)
     serving.require_ready()
     results: dict[str, str] = {}
     for identifier in dict.fromkeys(ids):
@@ -81,40 +76,37 @@ async def preload(
 
 @root.get("/health", tags=["service"], summary="Health", response_model=Health,
           responses={503: {"model": Health, "description": "Still starting, or the model could not be loaded."}})
-def health(request: Request) -> JSONResponse:
+def health(request: Request, serving: ServingDep, store: StoreDep) -> JSONResponse:
     """`healthy` (200) once the model is loaded and the engine runs, else `unhealthy` (503).
     No key needed; `loaded_cartridges` lists what the presented key may see (none without one)."""
-    serving = _serving(request)
-    principal = _optional_principal(request)
+    principal = _optional_principal(request, store)
     body = Health(status="healthy" if serving.ready else "unhealthy", device=serving.device,
                   loaded_cartridges=[c.id for c in serving.loaded(principal)])
     return JSONResponse(body.model_dump(), status_code=200 if serving.ready else 503)
 
 
-def _optional_principal(request: Request) -> Principal | None:
+def _optional_principal(request: Request, store: Any) -> Principal | None:
     """The caller if it presents a valid key; nobody otherwise (health needs no key)."""
     key = bearer_key(request)
-    return principal_for_key(request, request.app.state.store, key) if key is not None else None
+    return principal_for_key(request, store, key) if key is not None else None
 
 
 @root.get("/metrics", tags=["service"], summary="Prometheus metrics",
           responses={200: {"content": {"text/plain": {}}, "description": "The Prometheus text format."}})
-def metrics(request: Request) -> Response:
+def metrics(metrics: MetricsDep) -> Response:
     """Requests by endpoint and status, tokens, latency histograms, the engine's queue and KV
     pool, the cartridge cache and training jobs. No key needed; no user or object ids."""
-    return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE)
+    return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
 
 @router.get("/status", tags=["service"], summary="Service status")
-def status(request: Request) -> dict[str, Any]:
+def status(serving: ServingDep, supervisor: SupervisorDep, store: StoreDep) -> dict[str, Any]:
     """For operators, no key needed: readiness, version, device, base model, uptime, loaded
     cartridges against the memory budget, training jobs, and the engine's settings."""
-    serving = _serving(request)
     settings = serving.settings
-    supervisor = request.app.state.supervisor
     engine = serving.engine
     stats = engine.stats() if engine is not None else None
-    counts = job_counts(request.app.state.store)
+    counts = job_counts(store)
     return {
         "status": "ok" if serving.ready else ("error" if serving.load_error else "starting"),
         "version": __version__,
@@ -133,7 +125,7 @@ def status(request: Request) -> dict[str, Any]:
             "kv_tokens_used": stats.kv_tokens_used if stats else 0,
             "running_requests": stats.running if stats else 0,
             "waiting_requests": stats.waiting if stats else 0,
-            "threads": engine.core.num_threads if engine is not None else serving.serve_threads(),
+            "threads": engine.native.num_threads if engine is not None else serving.serve_threads(),
             "serve_threads_setting": settings.serve_threads,
             "cpu_cores": cpu_cores(),
             "default_max_tokens": settings.default_max_tokens,
