@@ -8,7 +8,7 @@ import random
 import pytest
 
 from cartridges.selfstudy import TrainConfig
-from cartridges.selfstudy.chunking import even_spans, named_texts, part_of, part_view, plan_views
+from cartridges.selfstudy.chunking import Span, even_spans, named_texts, part_of, part_view, partner_chunk, plan_views
 from cartridges.selfstudy.config import default_num_samples, default_num_tokens
 from cartridges.selfstudy.prompts import CLOZE_TEMPLATES, RECALL_TEMPLATES, cloze_message, recall_message
 from cartridges.selfstudy.synthesize import loop_start
@@ -158,3 +158,14 @@ def test_cloze_message_blanks_a_number_or_name_of_a_whole_sentence():
     message, answer = cloze_message(CLOZE_TEMPLATES[0], "just some lowercase words without any facts at all "
                                     "in them, said twice over and over here", random.Random(0))
     assert "____" not in message and answer
+
+
+@pytest.mark.parametrize("total, start, length", [(1000, 0, 100), (1000, 450, 100), (1000, 900, 100), (400, 150, 100)])
+def test_a_partner_chunk_lies_a_quarter_of_the_corpus_away(total, start, length):
+    rng = random.Random(0)
+    chunk = Span(start, start + length)
+    for _ in range(200):
+        partner = partner_chunk(total, chunk, rng)
+        assert partner is not None and len(partner) == length and 0 <= partner.start and partner.end <= total
+        assert abs((partner.start + partner.end) / 2 - (start + length / 2)) >= total / 4
+    assert partner_chunk(150, Span(0, 100), rng) is None  # no room that far away

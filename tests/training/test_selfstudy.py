@@ -183,3 +183,47 @@ def test_synthesis_cancelled_then_resumed_gives_the_uninterrupted_cartridge(mode
     assert resumed.quality["by_part"] == full.quality["by_part"]
     assert resumed.quality["recovered"] == pytest.approx(full.quality["recovered"])
     assert not (tmp_path / "run.ckpt.synthesis.pt").exists()  # superseded by the data file
+
+
+LONG_TEXT = "".join(
+    f"Section {n}. The harbour of Vell{n} keeps {n + 2} cranes and {3 * n} ferries. "
+    f"Its keeper in the year {1700 + n} was named Orm{n}, who counted the boats at dawn. "
+    for n in range(1, 13)
+)
+
+
+def test_joined_conversations_quote_two_distant_chunks_and_the_teacher_reads_both(model):
+    config = small_config(joined_fraction=1.0, chunk_tokens=40, num_samples=6, max_answer_tokens=20)
+    corpus = Corpus.from_texts(model.tokenizer, [LONG_TEXT])
+    conversations = synthesize(model, corpus, config)
+    synth = Synthesizer(model, config)
+    assert {c.kind for c in conversations} == {"joined"}
+    for c in conversations:
+        (a0, a1), (b0, b1) = c.chunk_span, c.partner_span
+        assert abs((a0 + a1) / 2 - (b0 + b1) / 2) >= len(corpus) / 4  # far apart
+        first, second = sorted([(a0, a1), (b0, b1)])
+        parts = [model.tokenizer.decode(corpus.tokens[s:e]) for s, e in (first, second)]
+        assert c.window == parts[0] + "\n\n[...]\n\n" + parts[1]
+        # The answer: each passage's continuation, in order, a blank line between (the tiny model's
+        # tokenizer writes a newline as "?"; the text has none).
+        head, _, tail = model.tokenizer.decode(c.answer).partition("??")
+        assert head and tail and head in parts[0] and tail in parts[1]
+        # The teacher's targets: its top-k with both chunks in context.
+        prompt = synth.prompt(c.window, c.question)
+        logits = model.native.forward(torch.tensor([prompt + c.answer]))[0, len(prompt) - 1 : -1]
+        values, _ = torch.log_softmax(logits, -1).topk(config.top_k, -1)
+        torch.testing.assert_close(c.topk_logprobs, values, rtol=1e-4, atol=1e-4)
+    # Their signal is shared out over both chunks' parts of the corpus.
+    shares = signal_by_part(conversations, len(corpus))
+    assert sum(shares) == pytest.approx(1.0)
+    assert sum(s > 0 for s in shares) >= 4
+
+
+def test_no_joined_conversations_leave_synthesis_as_it_was(model):
+    """joined_fraction 0 draws nothing: the conversations equal a config's that never had it."""
+    corpus = Corpus.from_texts(model.tokenizer, [LONG_TEXT])
+    plain = synthesize(model, corpus, small_config())
+    also = synthesize(model, corpus, small_config(joined_fraction=0.0))
+    assert [(c.question, c.answer) for c in plain] == [(c.question, c.answer) for c in also]
+    some = synthesize(model, corpus, small_config(joined_fraction=0.5, chunk_tokens=40))
+    assert 0 < sum(c.kind == "joined" for c in some) < len(some)

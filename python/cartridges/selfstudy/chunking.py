@@ -104,6 +104,28 @@ def plan_views(corpus_tokens: int, num_batches: int, chunk_tokens: int, window_t
     return views[:num_batches]
 
 
+def partner_chunk(corpus_tokens: int, chunk: Span, rng: random.Random, min_gap: float = 0.25) -> Span | None:
+    """A span as long as `chunk`, not overlapping it, whose centre lies at least `min_gap` of
+    the corpus away from the chunk's centre, drawn uniformly among those; None when the corpus
+    has none (it is too short for two parts that far apart)."""
+    length, gap = len(chunk), max(corpus_tokens * min_gap, len(chunk))
+    centre = (chunk.start + chunk.end) / 2
+    last = corpus_tokens - length  # the last start
+    # Starts s with |s + length / 2 - centre| >= gap: below `low` or above `high`.
+    low, high = math.floor(centre - gap - length / 2), math.ceil(centre + gap - length / 2)
+    ranges = [(0, min(low, last)), (max(high, 0), last)]
+    ranges = [(a, b) for a, b in ranges if a <= b]
+    sizes = [b - a + 1 for a, b in ranges]
+    if not ranges:
+        return None
+    pick = rng.randrange(sum(sizes))
+    for (a, _), size in zip(ranges, sizes):
+        if pick < size:
+            return Span(a + pick, a + pick + length)
+        pick -= size
+    raise AssertionError("unreachable")
+
+
 PARTS = 10  # the tenths of a corpus, over which training signal and held-out quality are reported
 
 

@@ -112,6 +112,12 @@ class TrainConfig(BaseModel):
     default 135M model their conversations did not help and cost time; larger models, which
     write and answer better, may gain from some, e.g. 0.4 (docs/experiments.md, "Which
     changes to synthesis make self-study carry the document's facts?")."""
+    joined_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of the conversations that join two parts of the corpus far apart (their centres
+    at least a quarter of it apart, the chunks never overlapping): the message quotes the start of a sentence from each
+    and asks for both to go on, word for word, and the teacher reads both chunks. They give
+    questions that need two distant parts at once (multi-hop) something to learn from. 0, the
+    default, until measured on the long documents."""
     synthesis_batch_size: int = Field(16, ge=1)
     """Conversations generated together; they share their chunk and window (and their KV)."""
     question_temperature: float = Field(0.6, ge=0.0)

@@ -51,7 +51,8 @@ SEED_PROMPTS: dict[str, tuple[str, ...]] = {
 
 RECALL = "recall"
 CLOZE = "cloze"
-KINDS = (*SEED_PROMPTS, RECALL, CLOZE)
+JOINED = "joined"  # two recalls from distant parts of the corpus in one message (joined_fraction)
+KINDS = (*SEED_PROMPTS, RECALL, CLOZE, JOINED)
 WRITTEN_HERE = (RECALL, CLOZE)  # kinds whose message and answer come from the chunk, not from A and B
 
 # How often each of A's kinds is drawn: weighted toward messages that ask for the facts. A
@@ -63,6 +64,12 @@ RECALL_TEMPLATES = (
     'What does the document say right after "{cue}"? Quote it.',
     'Where the document says "{cue}", what comes next?',
     'Quote the rest of the part of the document that begins "{cue}".',
+)
+
+JOINED_TEMPLATES = (
+    'The document says "{first}" in one place and "{second}" in another. Continue both passages, '
+    'word for word, the first one first.',
+    'Quote what follows "{first}" in the document, and then what follows "{second}".',
 )
 
 
@@ -112,6 +119,15 @@ def recall_message(template: str, chunk_text: str, rng: random.Random, cue_words
         candidates = [(chunk_text[:cue_end], cue_end)]
     cue, cue_end = rng.choice(candidates)
     return template.format(cue=" ".join(cue.split())), chunk_text[cue_end:].strip()
+
+
+def joined_message(template: str, first_text: str, second_text: str, rng: random.Random) -> tuple[str, str, str]:
+    """A "joined" message and the two parts of its answer: a recall cue from each of two chunks
+    (in corpus order) in one `template`, and each chunk's text after its cue."""
+    cue_template = "{cue}"
+    first_cue, first_rest = recall_message(cue_template, first_text, rng)
+    second_cue, second_rest = recall_message(cue_template, second_text, rng)
+    return template.format(first=first_cue, second=second_cue), first_rest, second_rest
 
 
 # What a cloze blanks out: a number (with a % or °C), or a run of capitalized words that does

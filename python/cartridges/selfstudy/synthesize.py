@@ -23,9 +23,13 @@ import cartridges_core
 
 from ..cartridge import native_model
 from ..models.tokenizer import common_prefix_len
-from .chunking import PARTS, BatchView, Corpus, Span, part_view, plan_views
+from .chunking import PARTS, BatchView, Corpus, Span, part_view, partner_chunk, plan_views
 from .config import TrainConfig
-from .prompts import SEED_PROMPTS, SYSTEM_PROMPT, WRITTEN_HERE, draw_seed_prompts, written_message
+from .prompts import (JOINED, JOINED_TEMPLATES, SEED_PROMPTS, SYSTEM_PROMPT, WRITTEN_HERE, draw_seed_prompts,
+                      joined_message, written_message)
+
+# What stands between the two chunks a joined conversation's teacher reads.
+JOINED_SEPARATOR = "\n\n[...]\n\n"
 
 # Template tokens around the chunk and the messages, beyond what the config's limits count.
 _TEMPLATE_MARGIN = 32
@@ -41,6 +45,7 @@ class Conversation:
     topk_logprobs: torch.Tensor  # [len(answer), K] float32: their log-probabilities
     window: str = ""  # the corpus window B had in context (it holds the chunk)
     chunk_span: tuple[int, int] = (0, 0)  # the chunk's [start, end) in corpus tokens
+    partner_span: tuple[int, int] = (0, 0)  # a joined conversation's second chunk; (0, 0): none
 
 
 def slice_prefix(prefix: cartridges_core.KVPrefix, n: int) -> cartridges_core.KVPrefix:
@@ -80,6 +85,7 @@ class Synthesizer:
                 f"the model's context ({context}) leaves no room for a chunk with "
                 f"max_question_tokens={config.max_question_tokens} and max_answer_tokens={config.max_answer_tokens}"
             )
+        self.budget = budget
         self.chunk_tokens = min(config.chunk_tokens, budget)
         self.window_tokens = min(max(config.teacher_tokens, self.chunk_tokens), budget)
         if config.teacher_tokens == 0:
@@ -166,13 +172,18 @@ class Synthesizer:
     def batch(self, corpus: Corpus, view: BatchView, rng: random.Random, n: int) -> list[Conversation]:
         """`n` conversations. Written ones (recall, cloze) take their message and answer from the
         view's chunk, and B scores the answer; for the others A writes a message about the chunk
-        and B answers it, both with the view's window in context, its answer cut where it loops."""
+        and B answers it, both with the view's window in context, its answer cut where it loops.
+        Joined ones (config.joined_fraction) quote the chunk and a distant one, and B scores
+        their answer with both chunks in context."""
         cfg = self.config
         chunk_text = self.tok.decode(corpus.tokens[view.chunk.start : view.chunk.end])
         seeds = draw_seed_prompts(rng, n, cfg.written_fraction)
         a_seeds = [rng.getrandbits(31) for _ in range(n)]
         questions, written = [""] * n, {}  # written: row -> its answer, from the chunk
+        joined = self._joined_rows(corpus, view, rng, n)  # rows that join the chunk with a distant one
         for i, (kind, text) in enumerate(seeds):
+            if i in joined.rows:
+                continue
             if kind in WRITTEN_HERE:
                 questions[i], answer = written_message(kind, text, chunk_text, rng)
                 written[i] = self.tok.encode(answer)[: cfg.max_answer_tokens]
@@ -180,7 +191,7 @@ class Synthesizer:
                     del written[i]
                     seeds[i] = ("question", SEED_PROMPTS["question"][0])
         b_seeds = [rng.getrandbits(31) for _ in range(n)]
-        asked = [i for i in range(n) if i not in written]
+        asked = [i for i in range(n) if i not in written and i not in joined.rows]
         window_text, window_kv, window_shared = self.window_kv(corpus, view.window)
         answers: dict[int, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
         if asked:
@@ -202,6 +213,13 @@ class Synthesizer:
                 keep = len(answer) if answer and answer[-1] in self.stop else loop_start(answer)
                 ids, lp = _topk_tensors(r.logprobs)
                 answers[i] = (answer[:keep], ids[:keep], lp[:keep])
+        for i in joined.rows:
+            seeds[i], questions[i] = (JOINED, joined.templates[i]), joined.questions[i]
+        if joined.rows:  # scored with both chunks in context
+            scored = self._score([self.prompt(joined.document, questions[i]) for i in joined.rows],
+                                 [joined.answers[i] for i in joined.rows], self._system_kv(joined.document))
+            for i, (ids, lp) in zip(joined.rows, scored):
+                answers[i] = (joined.answers[i], ids, lp)
         if written:
             rows = list(written)
             scored = self._score([self.prompt(window_text, questions[i]) for i in rows], [written[i] for i in rows],
@@ -209,23 +227,62 @@ class Synthesizer:
             for i, (ids, lp) in zip(rows, scored):
                 answers[i] = (written[i], ids, lp)
         span = (view.chunk.start, view.chunk.end)
-        return [Conversation(seeds[i][0], chunk_text, questions[i], *answers[i], window_text, span) for i in range(n)]
+        out = [Conversation(seeds[i][0], chunk_text, questions[i], *answers[i], window_text, span) for i in range(n)]
+        for i in joined.rows:
+            out[i].chunk = out[i].window = joined.document
+            out[i].partner_span = joined.partner
+        return out
+
+    def _joined_rows(self, corpus: Corpus, view: BatchView, rng: random.Random, n: int) -> _Joined:
+        """Which of the batch's `n` rows are joined conversations (config.joined_fraction), the
+        distant chunk they all join the batch's chunk with, and their messages and answers.
+        Draws nothing from `rng` when joined_fraction is 0, so that the other conversations
+        are those of a config without it."""
+        cfg, none = self.config, _Joined([], "", (0, 0), {}, {}, {})
+        if cfg.joined_fraction <= 0:
+            return none
+        rows = [i for i in range(n) if rng.random() < cfg.joined_fraction]
+        partner = partner_chunk(len(corpus), view.chunk, rng) if rows else None
+        if partner is None or 2 * len(view.chunk) + 16 > self.budget:  # too short a corpus, or no room for both
+            return none
+        first, second = sorted((view.chunk, partner), key=lambda s: s.start)
+        texts = [self.tok.decode(corpus.tokens[s.start : s.end]) for s in (first, second)]
+        joined = _Joined(rows, JOINED_SEPARATOR.join(texts), (partner.start, partner.end), {}, {}, {})
+        half = cfg.max_answer_tokens // 2
+        for i in rows:
+            joined.templates[i] = rng.choice(JOINED_TEMPLATES)
+            joined.questions[i], first_rest, second_rest = joined_message(joined.templates[i], *texts, rng)
+            # Each passage gets half the answer's length; the two are separated as in the document.
+            parts = [self.tok.decode(self.tok.encode(rest)[:half]) for rest in (first_rest, second_rest)]
+            joined.answers[i] = self.tok.encode("\n\n".join(parts))[: cfg.max_answer_tokens]
+        joined.rows = [i for i in rows if joined.answers[i]]  # chunks too short to quote from: as usual
+        return joined
+
+
+@dataclass
+class _Joined:
+    rows: list[int]
+    document: str  # what the teacher reads: both chunks, in corpus order
+    partner: tuple[int, int]  # the distant chunk's span
+    templates: dict[int, str]
+    questions: dict[int, str]
+    answers: dict[int, list[int]]
 
 
 def signal_by_part(conversations: Sequence[Conversation], corpus_tokens: int, parts: int = 10) -> list[float]:
     """The share of the conversations' answer tokens (the training signal) that comes from each
     of `parts` equal parts of the corpus, in order: a conversation's tokens are shared out over
-    the parts its chunk overlaps, by overlap. Even coverage gives 1 / parts each."""
+    the parts its chunk overlaps, by overlap (a joined conversation's, half to each of its two
+    chunks). Even coverage gives 1 / parts each."""
     weights = [0.0] * parts
     for c in conversations:
-        start, end = c.chunk_span
-        if end <= start:
-            continue
-        for p in range(parts):
-            lo, hi = corpus_tokens * p / parts, corpus_tokens * (p + 1) / parts
-            overlap = min(end, hi) - max(start, lo)
-            if overlap > 0:
-                weights[p] += len(c.answer) * overlap / (end - start)
+        spans = [s for s in (c.chunk_span, c.partner_span) if s[1] > s[0]]
+        for start, end in spans:
+            for p in range(parts):
+                lo, hi = corpus_tokens * p / parts, corpus_tokens * (p + 1) / parts
+                overlap = min(end, hi) - max(start, lo)
+                if overlap > 0:
+                    weights[p] += len(c.answer) / len(spans) * overlap / (end - start)
     total = sum(weights)
     return [w / total for w in weights] if total else weights
 
