@@ -22,6 +22,7 @@ import torch
 import cartridges_core
 
 from ..cartridge import native_model
+from ..heap import release_free_memory
 from ..models.tokenizer import common_prefix_len
 from .chunking import PARTS, BatchView, Corpus, Span, part_view, partner_chunk, plan_views
 from .config import TrainConfig
@@ -363,6 +364,7 @@ def synthesize(
         first += 1
     for view, rng, n in specs[first:]:
         out.extend(synth.batch(corpus, view, rng, n))
+        release_free_memory()  # else the process grows by the batch's freed scoring buffers
         if on_progress is not None:
             on_progress(len(out), total)
         if on_batch is not None:  # after on_progress, so that a cancel asked there stops here
