@@ -291,8 +291,11 @@ at::Tensor LlamaModel::forward_packed(const PackedBatch& batch, KVPool& pool) co
     TORCH_CHECK(s.kv_offset >= 0 && s.kv_offset + s.past + s.num_new <= pool.capacity(),
                 "forward_packed: a sequence's slots lie outside the pool");
     int64_t prefix_len = 0;
+    // Each step of every running request passes here: the prefixes' shapes were checked once,
+    // when the engine took the request (check_prefix in submit); only the layer count is kept.
     for (const auto& p : s.prefixes) {
-      check_prefix(p, c, "forward_packed");
+      TORCH_CHECK(p && static_cast<int64_t>(p->keys.size()) == c.num_layers,
+                  "forward_packed: a prefix must hold keys and values for each of the ", c.num_layers, " layers");
       prefix_len += p->num_tokens();
     }
     for (int64_t j = 0; j < s.num_new; ++j) {
