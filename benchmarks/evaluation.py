@@ -32,7 +32,7 @@ import cartridges_core
 from cartridges.cartridge import Cartridge
 from cartridges.models.tokenizer import common_prefix_len
 from cartridges.selfstudy import Corpus, TrainConfig
-from cartridges.selfstudy.config import describe
+from cartridges.selfstudy.config import describe, field_aliases
 from cartridges.selfstudy.prompts import SYSTEM_PROMPT
 
 # TrainConfig fields that change training but not synthesis.
@@ -366,7 +366,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--set takes FIELD=VALUE with a TrainConfig field; got {item!r}")
-        raw["learning_rate" if key == "lr" else key] = None if value.lower() in ("none", "null") else value
+        raw[field_aliases().get(key, key)] = None if value.lower() in ("none", "null") else value
     try:
         parsed = TrainConfig.model_validate(raw, strict=False)  # the strings as their fields' types
     except ValidationError as error:

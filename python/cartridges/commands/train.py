@@ -10,15 +10,13 @@ from typing import Any
 
 from . import add_model_argument, load_model_or_report
 
-# Other names a flag answers to (the field's own name is the flag).
-FLAG_ALIASES = {"learning_rate": ["--lr"]}
-
-
 def _config_argument(parser: argparse.ArgumentParser, name: str, info: Any, summary: str) -> None:
     """The flag of TrainConfig field `name`: its type, choices and default from the field."""
-    from ..selfstudy.config import DECIDED_FROM_CORPUS
+    from ..selfstudy.config import DECIDED_FROM_CORPUS, field_aliases
 
-    flags = ["--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, [])]
+    # The field's own name, and the other names it is read by (--lr for --learning-rate).
+    names = [name, *(alias for alias, field in field_aliases().items() if field == name)]
+    flags = ["--" + n.replace("_", "-") for n in names]
     summary = summary.replace("%", "%%")  # argparse formats help with %
     kind = info.annotation
     if typing.get_origin(kind) is not typing.Literal and typing.get_args(kind):  # X | None: X

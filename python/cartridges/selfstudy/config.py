@@ -213,8 +213,10 @@ class TrainConfig(BaseModel):
     def _quality_samples_with_num_samples(cls, data: Any) -> Any:
         """quality_samples left open follows a num_samples that is given (else for_corpus decides).
         The learning rate by both its names is refused: which one was meant is unclear."""
-        if isinstance(data, dict) and "lr" in data and "learning_rate" in data:
-            raise ValueError("learning_rate is given twice (also as lr)")
+        if isinstance(data, dict):
+            for alias, name in field_aliases().items():
+                if alias in data and name in data:
+                    raise ValueError(f"{name} is given twice (also as {alias})")
         if isinstance(data, dict) and data.get("quality_samples") is None:
             num_samples = data.get("num_samples")
             if isinstance(num_samples, int) and not isinstance(num_samples, bool) and num_samples >= 1:
@@ -257,8 +259,18 @@ class TrainConfig(BaseModel):
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         """A config from a stored record: fields it no longer has are dropped (`lr` is read as
         `learning_rate`); its values are checked like a new config's."""
-        known = set(cls.model_fields) | {"lr"}
+        known = set(cls.model_fields) | set(field_aliases())
         return cls.model_validate({k: v for k, v in d.items() if k in known})
+
+
+def field_aliases() -> dict[str, str]:
+    """The other names fields are read by, alias -> field (`lr` -> `learning_rate`): the
+    fields' own validation aliases, for the CLI's flags and for reading records."""
+    aliases = {}
+    for name, info in TrainConfig.model_fields.items():
+        if isinstance(info.validation_alias, AliasChoices):
+            aliases.update({a: name for a in info.validation_alias.choices if isinstance(a, str) and a != name})
+    return aliases
 
 
 def field_summaries() -> dict[str, str]:
