@@ -3,6 +3,8 @@ training data layout, train() determinism and progress."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -220,10 +222,13 @@ def test_joined_conversations_quote_two_distant_chunks_and_the_teacher_reads_bot
 
 
 def test_no_joined_conversations_leave_synthesis_as_it_was(model):
-    """joined_fraction 0 draws nothing: the conversations equal a config's that never had it."""
+    """joined_fraction 0 draws nothing from a batch's random stream, so that every other
+    conversation is what it was before joined conversations existed; 0.5 joins some."""
     corpus = Corpus.from_texts(model.tokenizer, [LONG_TEXT])
-    plain = synthesize(model, corpus, small_config())
-    also = synthesize(model, corpus, small_config(joined_fraction=0.0))
-    assert [(c.question, c.answer) for c in plain] == [(c.question, c.answer) for c in also]
+    synth = Synthesizer(model, small_config(chunk_tokens=40))
+    rng = random.Random(3)
+    before = rng.getstate()
+    assert synth._joined_rows(corpus, synth.plan(corpus, 1)[0], rng, 3).rows == []
+    assert rng.getstate() == before
     some = synthesize(model, corpus, small_config(joined_fraction=0.5, chunk_tokens=40))
     assert 0 < sum(c.kind == "joined" for c in some) < len(some)
