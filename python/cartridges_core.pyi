@@ -7,7 +7,7 @@ import datetime
 import torch
 import typing
 import typing_extensions
-__all__: list[str] = ['Adam', 'ApiKeyInfo', 'BlobWriter', 'CacheFullError', 'CancelToken', 'CartridgeCache', 'CartridgeCacheStats', 'CartridgeParams', 'Composition', 'ConflictError', 'ContextLengthError', 'CorruptError', 'DatablockPage', 'DatablockRecord', 'Engine', 'EngineBusyError', 'EngineOptions', 'EngineStats', 'EngineStoppedError', 'Event', 'FilePage', 'FileRecord', 'KVCache', 'KVPrefix', 'LlamaConfig', 'LlamaModel', 'NotFoundError', 'Owner', 'Priority', 'Sampler', 'SamplingParams', 'Store', 'StoreError', 'TrainOptions', 'TrainProgress', 'TrainResult', 'TrainingData', 'User', 'channel_lr_scales', 'distillation_loss_sum', 'filter_top_k', 'filter_top_p', 'layer_lr_scales', 'length_groups', 'tokens_in_front', 'train_cartridge', 'training_order']
+__all__: list[str] = ['Adam', 'ApiKeyInfo', 'BlobWriter', 'CacheFullError', 'CancelToken', 'CartridgeCache', 'CartridgeCacheStats', 'CartridgeParams', 'Composition', 'ConflictError', 'ContextLengthError', 'CorruptError', 'DatablockPage', 'DatablockRecord', 'Engine', 'EngineBusyError', 'EngineOptions', 'EngineStats', 'EngineStoppedError', 'Event', 'FilePage', 'FileRecord', 'KVCache', 'KVPrefix', 'LlamaConfig', 'LlamaModel', 'NotFoundError', 'Owner', 'Priority', 'Sampler', 'SamplingParams', 'Store', 'StoreError', 'TrainOptions', 'TrainProgress', 'TrainResult', 'TrainingData', 'User', 'apply_logit_bias', 'channel_lr_scales', 'distillation_loss_sum', 'filter_top_k', 'filter_top_p', 'layer_lr_scales', 'length_groups', 'tokens_in_front', 'train_cartridge', 'training_order']
 class Adam:
     def __init__(self, params: collections.abc.Sequence[torch.Tensor], lr: typing.SupportsFloat | typing.SupportsIndex = 0.02, beta1: typing.SupportsFloat | typing.SupportsIndex = 0.9, beta2: typing.SupportsFloat | typing.SupportsIndex = 0.999, eps: typing.SupportsFloat | typing.SupportsIndex = 1e-08, anchor: typing.SupportsFloat | typing.SupportsIndex = 0.0, lr_scales: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] = [], channel_scales: collections.abc.Sequence[torch.Tensor] = []) -> None:
         ...
@@ -662,7 +662,13 @@ class Sampler:
     def sample(self, arg0: torch.Tensor) -> int:
         ...
 class SamplingParams:
-    def __init__(self, temperature: typing.SupportsFloat | typing.SupportsIndex = 0.0, top_p: typing.SupportsFloat | typing.SupportsIndex = 1.0, top_k: typing.SupportsInt | typing.SupportsIndex = 0, seed: typing.SupportsInt | typing.SupportsIndex = -1, max_new_tokens: typing.SupportsInt | typing.SupportsIndex = 256, stop_token_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], logprobs: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
+    def __init__(self, temperature: typing.SupportsFloat | typing.SupportsIndex = 0.0, top_p: typing.SupportsFloat | typing.SupportsIndex = 1.0, top_k: typing.SupportsInt | typing.SupportsIndex = 0, seed: typing.SupportsInt | typing.SupportsIndex = -1, max_new_tokens: typing.SupportsInt | typing.SupportsIndex = 256, stop_token_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = [], logprobs: typing.SupportsInt | typing.SupportsIndex = 0, logit_bias: collections.abc.Mapping[typing.SupportsInt | typing.SupportsIndex, typing.SupportsFloat | typing.SupportsIndex] = {}) -> None:
+        ...
+    @property
+    def logit_bias(self) -> dict[int, float]:
+        ...
+    @logit_bias.setter
+    def logit_bias(self, arg0: collections.abc.Mapping[typing.SupportsInt | typing.SupportsIndex, typing.SupportsFloat | typing.SupportsIndex]) -> None:
         ...
     @property
     def logprobs(self) -> int:
@@ -940,6 +946,8 @@ class User:
     @property
     def name(self) -> str:
         ...
+def apply_logit_bias(logits: torch.Tensor, bias: collections.abc.Mapping[typing.SupportsInt | typing.SupportsIndex, typing.SupportsFloat | typing.SupportsIndex]) -> torch.Tensor:
+    ...
 def channel_lr_scales(params: CartridgeParams) -> list[torch.Tensor]:
     """
     Per parameter of params.parameters(): a [H_kv, 1, D] tensor, each channel's RMS over the trainable tokens over the RMS of all keys (or values).

@@ -20,26 +20,29 @@ void bind_sampling_and_composition(py::module_& m) {
   const SamplingParams defaults;  // the one set of sampling defaults, SamplingParams's own
   py::class_<SamplingParams>(m, "SamplingParams")
       .def(py::init([](double temperature, double top_p, int64_t top_k, int64_t seed, int64_t max_new_tokens,
-                       std::vector<int64_t> stop_token_ids, int64_t logprobs) {
-             return SamplingParams{temperature, top_p, top_k, seed, max_new_tokens, std::move(stop_token_ids), logprobs};
+                       std::vector<int64_t> stop_token_ids, int64_t logprobs, std::map<int64_t, double> logit_bias) {
+             return SamplingParams{temperature,    top_p,    top_k, seed, max_new_tokens, std::move(stop_token_ids),
+                                   logprobs,       std::move(logit_bias)};
            }),
            py::arg("temperature") = defaults.temperature, py::arg("top_p") = defaults.top_p,
            py::arg("top_k") = defaults.top_k, py::arg("seed") = defaults.seed,
            py::arg("max_new_tokens") = defaults.max_new_tokens, py::arg("stop_token_ids") = defaults.stop_token_ids,
-           py::arg("logprobs") = defaults.logprobs)
+           py::arg("logprobs") = defaults.logprobs, py::arg("logit_bias") = defaults.logit_bias)
       .def_readwrite("temperature", &SamplingParams::temperature)
       .def_readwrite("top_p", &SamplingParams::top_p)
       .def_readwrite("top_k", &SamplingParams::top_k)
       .def_readwrite("seed", &SamplingParams::seed)
       .def_readwrite("max_new_tokens", &SamplingParams::max_new_tokens)
       .def_readwrite("stop_token_ids", &SamplingParams::stop_token_ids)
-      .def_readwrite("logprobs", &SamplingParams::logprobs);
+      .def_readwrite("logprobs", &SamplingParams::logprobs)
+      .def_readwrite("logit_bias", &SamplingParams::logit_bias);
 
   py::class_<Sampler>(m, "Sampler")
       .def(py::init<const SamplingParams&>())
       .def("sample", &Sampler::sample);
   m.def("filter_top_k", &filter_top_k);
   m.def("filter_top_p", &filter_top_p);
+  m.def("apply_logit_bias", &apply_logit_bias, py::arg("logits"), py::arg("bias"));
 
   py::enum_<Priority>(m, "Priority")
       .value("INTERACTIVE", Priority::kInteractive)

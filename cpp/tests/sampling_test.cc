@@ -76,3 +76,33 @@ TEST(SamplingTest, SameSeedRepeats) {
   for (int i = 0; i < 50; ++i) differ += a2.sample(logits) != c.sample(logits);
   EXPECT_GT(differ, 0);
 }
+
+TEST(SamplingTest, LogitBiasShiftsAndBansTokens) {
+  auto logits = at::tensor({0.1f, 2.0f, -1.0f, 1.9f});
+  SamplingParams greedy;
+  greedy.logit_bias = {{1, -100.0}};
+  EXPECT_EQ(Sampler(greedy).sample(logits), 3);  // the argmax is banned: the runner-up wins
+  greedy.logit_bias = {{2, 3.5}};
+  EXPECT_EQ(Sampler(greedy).sample(logits), 2);  // -1 + 3.5 beats 2.0
+  EXPECT_TRUE(apply_logit_bias(logits, {{0, 1.0}, {3, -0.5}}).allclose(at::tensor({1.1f, 2.0f, -1.0f, 1.4f})));
+
+  SamplingParams sampled;
+  sampled.temperature = 1.0;
+  sampled.seed = 5;
+  sampled.logit_bias = {{0, -100.0}, {1, -100.0}};
+  Sampler sampler(sampled);
+  for (int i = 0; i < 200; ++i) {
+    const auto token = sampler.sample(logits);
+    EXPECT_TRUE(token == 2 || token == 3);
+  }
+}
+
+TEST(SamplingTest, LogitBiasOutsideTheVocabularyOrRangeIsRefused) {
+  SamplingParams params;
+  params.logit_bias = {{4, 1.0}};
+  EXPECT_THROW(Sampler(params).sample(at::zeros({4})), c10::Error);
+  params.logit_bias = {{-1, 1.0}};
+  EXPECT_THROW(Sampler{params}, c10::Error);
+  params.logit_bias = {{0, 101.0}};
+  EXPECT_THROW(Sampler{params}, c10::Error);
+}

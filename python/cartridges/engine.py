@@ -18,7 +18,7 @@ import asyncio
 import atexit
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -94,6 +94,7 @@ class Engine:
         stop_token_ids: Sequence[int] | None = None,
         stop: Sequence[str] = (),
         logprobs: int = DEFAULT_SAMPLING.logprobs,
+        logit_bias: Mapping[int, float] | None = None,
         priority: str = "interactive",
         composition: str = "mixture",
         weigh_from: Sequence[int] | None = None,
@@ -105,7 +106,9 @@ class Engine:
         `prefixes`: per prompt, cartridges (`Cartridge` objects or KV prefixes) in order.
         `seeds`: per prompt (None draws a fresh one). `stop_token_ids` defaults to the
         tokenizer's end-of-turn ids; `stop` are text stop sequences (the match is not returned);
-        `logprobs`: how many top log-probabilities to return per token; `priority`:
+        `logprobs`: how many top log-probabilities to return per token (of the model's own
+        distribution); `logit_bias`: token id -> a value in [-100, 100] added to its logit before
+        sampling (-100 bans it); `priority`:
         "interactive" or "background". `composition`, for two or more cartridges: "mixture"
         (one sequence per cartridge, the next token drawn from their distributions weighted
         by how well each explains the conversation since `weigh_from`; each document's
@@ -129,7 +132,8 @@ class Engine:
         requests = [
             (list(prompt), row, core.SamplingParams(
                 temperature=temperature, top_p=top_p, top_k=top_k, seed=-1 if seed is None else seed,
-                max_new_tokens=max_new_tokens, stop_token_ids=stops, logprobs=logprobs), start)
+                max_new_tokens=max_new_tokens, stop_token_ids=stops, logprobs=logprobs,
+                logit_bias=dict(logit_bias or {})), start)
             for prompt, row, seed, start in zip(prompts, kv, seeds, weigh_from)
         ]
         try:

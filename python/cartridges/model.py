@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,7 @@ class Model:
         stop_token_ids: Sequence[int] | None = None,
         stop: Sequence[str] = (),
         logprobs: int = DEFAULT_SAMPLING.logprobs,
+        logit_bias: Mapping[int, float] | None = None,
         prefixes: Prefixes | Sequence[Prefixes] | None = None,
         on_token: Callable[[int, int], bool | None] | None = None,
         priority: str = "interactive",
@@ -127,7 +128,8 @@ class Model:
         one list per prompt; `composition` says how two or more of them are composed ("mixture"
         or "concatenate", see `Engine.submit_many`, also for `weigh_from`). `stop`: text stop
         sequences (the match is not returned).
-        `logprobs`: how many top log-probabilities to return per token.
+        `logprobs`: how many top log-probabilities to return per token. `logit_bias`: token id ->
+        a value in [-100, 100] added to its logit before sampling (-100 bans it).
         `on_token(i, token)` is called as each token is produced; returning False cancels
         prompt i. Stops at the tokenizer's end-of-turn ids unless `stop_token_ids` is given.
         """
@@ -138,7 +140,7 @@ class Model:
             streams = self.engine.submit_many(
                 prompts, prefixes=per_prompt, seeds=[seed] * len(prompts), max_new_tokens=max_new_tokens,
                 temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, stop=stop,
-                logprobs=logprobs, priority=priority, composition=composition, weigh_from=weigh_from,
+                logprobs=logprobs, logit_bias=logit_bias, priority=priority, composition=composition, weigh_from=weigh_from,
                 condition=condition,
             )
             _wait_all(streams, condition, on_token)

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <map>
 #include <vector>
 
 namespace cartridges {
@@ -18,6 +19,9 @@ struct SamplingParams {
   // Also return, for every sampled token, its log-probability and the `logprobs` most likely
   // tokens with theirs, under the model's own distribution (temperature 1, no filtering).
   int64_t logprobs = 0;
+  // Added to a token's logit before sampling (greedy included): OpenAI's `logit_bias`, each in
+  // [-100, 100]; -100 bans the token in effect. The reported log-probabilities stay the model's own.
+  std::map<int64_t, double> logit_bias;
 };
 
 // Draws tokens for one sequence; owns that sequence's random generator.
@@ -32,6 +36,8 @@ class Sampler {
   at::Generator generator_;
 };
 
+// Logits with `bias` added to the named tokens (ids must be inside the vocabulary).
+at::Tensor apply_logit_bias(const at::Tensor& logits, const std::map<int64_t, double>& bias);
 // Logits with everything outside the k most likely tokens set to -inf.
 at::Tensor filter_top_k(const at::Tensor& logits, int64_t k);
 // Logits with everything outside the smallest most-likely set of mass >= p set to -inf.

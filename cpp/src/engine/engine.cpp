@@ -119,6 +119,10 @@ class EngineImpl {
     TORCH_CHECK(request.weigh_from >= 0, "weigh_from must be >= 0, got ", request.weigh_from);
     const auto& c = model_->config();
     for (auto t : request.prompt) TORCH_CHECK(t >= 0 && t < c.vocab_size, "token id ", t, " is outside the vocabulary");
+    for (const auto& bias : request.params.logit_bias) {
+      TORCH_CHECK(bias.first >= 0 && bias.first < c.vocab_size, "logit_bias names token id ", bias.first,
+                  ", outside the vocabulary of ", c.vocab_size);
+    }
     // A cartridge that does not fit the model must be refused here: inside a step it would
     // fail every request computed with it.
     for (const auto& p : request.prefixes) {

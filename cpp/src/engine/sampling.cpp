@@ -17,6 +17,19 @@ uint64_t seed_for(int64_t requested) {
 }
 }  // namespace
 
+at::Tensor apply_logit_bias(const at::Tensor& logits, const std::map<int64_t, double>& bias) {
+  if (bias.empty()) return logits;
+  std::vector<int64_t> ids;
+  std::vector<float> values;
+  for (const auto& [id, value] : bias) {
+    TORCH_CHECK(id >= 0 && id < logits.size(-1), "logit_bias names token id ", id, ", outside the vocabulary of ",
+                logits.size(-1));
+    ids.push_back(id);
+    values.push_back(static_cast<float>(value));
+  }
+  return logits.index_add(-1, at::tensor(ids, at::kLong), at::tensor(values, logits.options()));
+}
+
 at::Tensor filter_top_k(const at::Tensor& logits, int64_t k) {
   if (k <= 0 || k >= logits.size(-1)) return logits;
   auto kth = std::get<0>(logits.topk(k, -1)).narrow(-1, k - 1, 1);
@@ -42,10 +55,15 @@ Sampler::Sampler(const SamplingParams& params)
   TORCH_CHECK(params.max_new_tokens >= 1, "max_new_tokens must be >= 1");
   TORCH_CHECK(params.top_k >= 0, "top_k must be >= 0");
   TORCH_CHECK(params.logprobs >= 0, "logprobs must be >= 0");
+  for (const auto& [id, value] : params.logit_bias) {
+    TORCH_CHECK(id >= 0, "logit_bias names token id ", id, ", outside the vocabulary");
+    TORCH_CHECK(value >= -100.0 && value <= 100.0, "logit_bias values must be in [-100, 100], got ", value,
+                " for token ", id);
+  }
 }
 
 int64_t Sampler::sample(const at::Tensor& logits) {
-  auto row = logits.to(at::kCPU, at::kFloat);
+  auto row = apply_logit_bias(logits.to(at::kCPU, at::kFloat), params_.logit_bias);
   if (params_.temperature == 0.0) return row.argmax().item<int64_t>();
   row = row / params_.temperature;
   row = filter_top_k(row, params_.top_k);

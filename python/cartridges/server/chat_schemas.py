@@ -1,17 +1,32 @@
 """Bodies of chat completions (docs/api.md §4).
 
-Chat requests follow OpenAI's: unknown fields are ignored (clients send many), known ones are
-checked, and a bad one is a 400 naming it."""
+Chat requests follow OpenAI's: fields OpenAI defines are checked, and a bad one is a 400 naming
+it; a field this server does not implement (tools, structured output, audio, ...) is refused
+with 400 `unsupported_parameter` rather than ignored, so that a client never gets an answer to a
+question it did not ask; fields that only concern OpenAI's own bookkeeping (`store`, `user`,
+...) are accepted and change nothing. Fields OpenAI does not define are ignored."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import PydanticCustomError
 
 MAX_STOP_SEQUENCES = 4
 MAX_CHOICES = 16
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+
+# OpenAI request fields for features this server does not have: a request that sets one (to
+# anything but null, or the value that asks for nothing) is refused, naming the field.
+UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
+                      "modalities", "prediction", "web_search_options", "reasoning_effort", "verbosity")
+# Accepted and without effect here: they concern OpenAI's storage, billing and abuse tracking.
+_NO_EFFECT = "Accepted for compatibility with OpenAI; has no effect here."
+
+Unsupported = SkipJsonSchema[Any]
 
 
 class TextPart(BaseModel):
@@ -75,6 +90,74 @@ class ChatCompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, description="Needs `logprobs: true`.")
+    logit_bias: dict[str, float] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS, examples=[{"15339": -100, "1820": 5}],
+        description="Token id (as a string) -> a value in [-100, 100] added to that token's logit before "
+        "sampling: -100 bans the token, 100 all but forces it. `logprobs` stay the model's own.")
+    response_format: dict[str, Any] | None = Field(
+        default=None, description='Only `{"type": "text"}` (the default); JSON modes are refused.')
+    frequency_penalty: float | None = Field(
+        default=None, ge=-2, le=2, description="Only 0 (the default): penalties are not implemented and are refused.")
+    presence_penalty: float | None = Field(
+        default=None, ge=-2, le=2, description="Only 0 (the default): penalties are not implemented and are refused.")
+    store: bool | None = Field(default=None, description=_NO_EFFECT)
+    metadata: dict[str, str] | None = Field(default=None, description=_NO_EFFECT)
+    service_tier: str | None = Field(default=None, description=_NO_EFFECT)
+    user: str | None = Field(default=None, description=_NO_EFFECT)
+    prompt_cache_key: str | None = Field(default=None, description=_NO_EFFECT)
+    safety_identifier: str | None = Field(default=None, description=_NO_EFFECT)
+
+    # Refused when set (see UNSUPPORTED_FIELDS); kept off the OpenAPI page, listed in docs/api.md.
+    tools: Unsupported = None
+    tool_choice: Unsupported = None
+    functions: Unsupported = None
+    function_call: Unsupported = None
+    parallel_tool_calls: Unsupported = None
+    audio: Unsupported = None
+    modalities: Unsupported = None
+    prediction: Unsupported = None
+    web_search_options: Unsupported = None
+    reasoning_effort: Unsupported = None
+    verbosity: Unsupported = None
+
+    @field_validator(*UNSUPPORTED_FIELDS)
+    @classmethod
+    def _not_implemented(cls, value: Any) -> Any:
+        if value is not None:
+            raise PydanticCustomError("unsupported_parameter", "this server does not implement it; leave it out")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise PydanticCustomError("unsupported_parameter", "only {'type': 'text'} is supported: replies are "
+                                      "not constrained to JSON here")
+        return value
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value:
+            raise PydanticCustomError("unsupported_parameter", "only 0 is supported: penalties are not implemented")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids_and_range(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for token, value in (bias or {}).items():
+            if not token.strip().isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {token!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"values must be in [-100, 100], got {value} for token {token}")
+        return bias
+
+    @field_validator("stream_options")
+    @classmethod
+    def _needs_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when 'stream' is true")
+        return options
 
     @field_validator("stop")
     @classmethod

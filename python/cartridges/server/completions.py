@@ -42,6 +42,7 @@ class Plan:
     top_logprobs: int | None  # None: no log-probabilities
     seeds: list[int]
     sampling: dict[str, float] = field(default_factory=dict)
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> Plan:
@@ -83,6 +84,11 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
                        code="context_length_exceeded", param="messages")
 
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    logit_bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
+    outside = sorted(t for t in logit_bias if t >= model.config.vocab_size)
+    if outside:
+        raise APIError(400, f"logit_bias names token id {outside[0]}, outside the model's vocabulary of "
+                       f"{model.config.vocab_size} tokens.", code="invalid_value", param="logit_bias")
     return Plan(
         prompt=prompt, prefixes=prefixes, composition=body.composition, weigh_from=weigh_from,
         cartridge_tokens=cartridge_tokens,
@@ -91,6 +97,7 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
         seeds=choice_seeds(body.seed, body.n),
         sampling={"temperature": 1.0 if body.temperature is None else body.temperature,
                   "top_p": 1.0 if body.top_p is None else body.top_p},
+        logit_bias=logit_bias,
     )
 
 
@@ -128,7 +135,8 @@ def submit(serving: Serving, plan: Plan) -> list[Stream]:
             [plan.prompt] * len(plan.seeds), prefixes=[plan.prefixes] * len(plan.seeds), seeds=plan.seeds,
             max_new_tokens=plan.max_new_tokens, stop=plan.stop, composition=plan.composition,
             weigh_from=[plan.weigh_from] * len(plan.seeds),
-            logprobs=0 if plan.top_logprobs is None else max(1, plan.top_logprobs), **plan.sampling)
+            logprobs=0 if plan.top_logprobs is None else max(1, plan.top_logprobs), logit_bias=plan.logit_bias,
+            **plan.sampling)
     except ContextLengthError as error:
         raise APIError(400, f"The request does not fit: {error}", code="context_length_exceeded",
                        param="max_tokens") from None
@@ -258,7 +266,11 @@ async def collect(streams: list[Stream], answer: Answer, disconnected: asyncio.E
 # share the response's state.
 async def events(streams: list[Stream], answer: Answer, include_usage: bool,
                  disconnected: asyncio.Event) -> AsyncIterator[bytes]:
-    """The server-sent events of a streamed completion, ending with `data: [DONE]`."""
+    """The server-sent events of a streamed completion, ending with `data: [DONE]`.
+
+    As OpenAI streams `n` > 1: every chunk carries exactly one choice, its `index` saying which;
+    a choice's first chunk brings the role, its last (a chunk of its own) the finish reason; the
+    usage chunk, when asked for, comes last with no choices."""
     queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: Stream) -> None:
@@ -274,16 +286,22 @@ async def events(streams: list[Stream], answer: Answer, include_usage: bool,
         for stream in streams:
             stream.close()
 
+    def one(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
+            finish_reason: str | None = None) -> bytes:
+        return answer.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+                            with_usage=include_usage)
+
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)] + [asyncio.ensure_future(watch())]
     try:
-        yield answer.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None} for i in range(len(streams))], with_usage=include_usage)
+        for index in range(len(streams)):
+            yield one(index, {"role": "assistant", "content": ""})
         remaining = len(streams)
         while remaining:
             batch = [await queue.get()]
             while not queue.empty():
                 batch.append(queue.get_nowait())
-            merged: dict[int, dict[str, Any]] = {}  # one entry per choice in a chunk
+            # What arrived together is merged per choice, in arrival order of the choices.
+            merged: dict[int, dict[str, Any]] = {}
             failure: BaseException | None = None
             for index, item in batch:
                 if isinstance(item, BaseException):
@@ -299,25 +317,18 @@ async def events(streams: list[Stream], answer: Answer, include_usage: bool,
                 entry["text"] += item.text
                 if item.logprob is not None:
                     entry["logprobs"].append(item.logprob)
-            # A choice appears once per chunk: its finish comes in a chunk of its own, after its text.
-            content, finishes = [], []
-            for index, entry in sorted(merged.items()):
+            for index, entry in merged.items():
                 logprobs = answer.logprobs(entry["logprobs"])
                 if not (logprobs and logprobs["content"]):
                     logprobs = None
                 if entry["text"] or logprobs:
-                    content.append({"index": index, "delta": {"content": entry["text"]}, "logprobs": logprobs,
-                                    "finish_reason": None})
-                if entry["finish_reason"] is not None:
-                    finishes.append({"index": index, "delta": {}, "logprobs": None,
-                                     "finish_reason": entry["finish_reason"]})
-            if content:
-                yield answer.chunk(content, with_usage=include_usage)
+                    yield one(index, {"content": entry["text"]}, logprobs)
             if failure is not None:  # after what came before it
                 yield _error_event(failure)
                 return
-            if finishes:
-                yield answer.chunk(finishes, with_usage=include_usage)
+            for index, entry in merged.items():
+                if entry["finish_reason"] is not None:
+                    yield one(index, {}, finish_reason=entry["finish_reason"])
         if include_usage:
             yield answer.chunk([], answer.usage(streams), with_usage=True)
         yield format_sse_event(data_str="[DONE]")

@@ -133,6 +133,9 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     elif first.get("type") == "extra_forbidden":
         code = "unknown_parameter"
         message = f"Unknown parameter: '{param}'."
+    elif first.get("type") == "unsupported_parameter":
+        code = "unsupported_parameter"
+        message = f"Unsupported parameter '{param}': {first.get('msg')}."
     elif param is None:
         code = "invalid_value"
         message = f"Invalid body: {str(first.get('msg', 'invalid')).removeprefix('Value error, ')}."
