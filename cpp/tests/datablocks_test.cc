@@ -336,3 +336,32 @@ TEST_F(DatablocksTest, DamagedCartridgesAreReportedAndOthersStillRead) {
 }
 
 }  // namespace
+
+TEST_F(DatablocksTest, ImportedCartridgesAreSucceededAtOnce) {
+  NewDatablock spec;
+  spec.project = "imported";
+  spec.model = "tiny";
+  spec.config = R"({"imported_from": "peft"})";
+  spec.num_tokens = 8;
+  const size_t before = blob_count();
+  auto w = store_->begin_blob();
+  w->write("tensors", 7);
+  DatablockRecord d = store_->import_datablock(alice_, spec, "fp", *w, R"({"stage":"done"})", "{}");
+  EXPECT_EQ(d.status, "succeeded");
+  EXPECT_EQ(d.id(), "alice/imported/" + d.run_id);
+  EXPECT_TRUE(d.training_files.empty());
+  EXPECT_EQ(d.fingerprint, "fp");
+  EXPECT_TRUE(d.started_at.has_value() && d.finished_at.has_value());
+  EXPECT_EQ(blob_count(), before + 1);
+  EXPECT_EQ(store_->list_datablocks(alice_, {std::string("queued"), std::nullopt, 100, true}).data.size(), 0u);
+  EXPECT_THROW(store_->get_datablock(bob_, d.run_id), NotFoundError);
+  store_->delete_datablock(alice_, d.run_id);
+  EXPECT_EQ(blob_count(), before);
+  // A bad spec leaves no row and no blob behind.
+  spec.project = "bad name";
+  auto bad = store_->begin_blob();
+  bad->write("x", 1);
+  EXPECT_THROW(store_->import_datablock(alice_, spec, "fp", *bad, "{}", "{}"), std::invalid_argument);
+  EXPECT_EQ(blob_count(), before);
+  EXPECT_EQ(store_->list_datablocks(alice_, {}).data.size(), 0u);
+}

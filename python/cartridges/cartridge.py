@@ -365,8 +365,27 @@ class Cartridge:
         return cartridge
 
 
+    # -- Hugging Face PEFT's CARTRIDGE adapters (peft_adapter.py) --------------------------
+    def to_peft(self, directory: str | os.PathLike[str], *, base_model: str | None = None) -> Path:
+        """Write a PEFT `CARTRIDGE` adapter directory that `PeftModel.from_pretrained` loads on
+        the base model (`base_model`: its Hugging Face id or path, recorded in the config)."""
+        from .peft_adapter import save_peft
+
+        return save_peft(self, directory, base_model=base_model)
+
+    @classmethod
+    def from_peft(cls, directory: str | os.PathLike[str], model: Any | None = None) -> Cartridge:
+        """Read a PEFT `CARTRIDGE` adapter directory (saved by PEFT or by `to_peft`)."""
+        from .peft_adapter import load_peft
+
+        return load_peft(directory, model)
+
+
 def load_cartridge(path: str | os.PathLike[str], model: Any | None = None) -> Cartridge:
-    """`Cartridge.load` for `.safetensors`, `Cartridge.import_pt` for `.pt`."""
+    """`Cartridge.load` for `.safetensors`, `Cartridge.import_pt` for `.pt`, `Cartridge.from_peft`
+    for a PEFT adapter directory."""
+    if Path(path).is_dir():
+        return Cartridge.from_peft(path, model)
     if str(path).endswith(".pt"):
         return Cartridge.import_pt(path, model)
     return Cartridge.load(path, model)

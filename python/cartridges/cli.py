@@ -1,4 +1,4 @@
-"""The `cartridges` command line: `serve`, `keys`, `train`, `chat`, `datablocks`.
+"""The `cartridges` command line: `serve`, `keys`, `train`, `chat`, `datablocks`, `export`, `import`.
 
 Each subcommand lives in its own module under `cartridges.commands` and registers itself
 with `register(subparsers)`, setting `run` to the function that executes it.
@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # Subcommand modules, in the order `--help` lists them.
-COMMANDS = ("serve", "keys", "train", "chat", "datablocks")
+COMMANDS = ("serve", "keys", "train", "chat", "datablocks", "formats")
 
 
 def build_parser() -> argparse.ArgumentParser:

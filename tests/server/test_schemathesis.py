@@ -74,14 +74,14 @@ def datablock_operations(server: LiveServer) -> dict[str, schemathesis.APIOperat
 @pytest.mark.parametrize(
     "name",
     ["POST /v1/datablocks/train", "GET /v1/datablocks", "GET /v1/datablocks/{datablock_id}",
-     "DELETE /v1/datablocks/{datablock_id}"],
+     "DELETE /v1/datablocks/{datablock_id}", "GET /v1/datablocks/{datablock_id}/content"],
 )
 def test_datablock_endpoint_conforms(server: LiveServer, datablock_operations: dict, name: str) -> None:
     """Random bodies, queries and ids: 400/404 as documented, never a 5xx. (Random file ids
     never exist, so nothing is queued: training itself is tested in test_datablocks_*.)"""
     assert sorted(datablock_operations) == sorted(
         ["POST /v1/datablocks/train", "GET /v1/datablocks", "GET /v1/datablocks/{datablock_id}",
-         "DELETE /v1/datablocks/{datablock_id}"])
+         "DELETE /v1/datablocks/{datablock_id}", "GET /v1/datablocks/{datablock_id}/content"])
     key = server.add_user()
     headers = {"Authorization": f"Bearer {key}"}
 

@@ -271,6 +271,11 @@ class Store {
   // metrics; the job's scratch directory is removed.
   DatablockRecord succeed_datablock(const Owner& owner, const std::string& id, BlobWriter& cartridge,
                                     const std::string& progress, const std::string& metrics);
+  // A datablock whose cartridge was made elsewhere (a PEFT adapter, a research .pt): created
+  // already succeeded with that cartridge, in one transaction, so no job ever sees it queued.
+  // `spec.training_files` may be empty.
+  DatablockRecord import_datablock(const Owner& owner, const NewDatablock& spec, const std::string& fingerprint,
+                                   BlobWriter& cartridge, const std::string& progress, const std::string& metrics);
   // queued | running → failed with a code and message.
   DatablockRecord fail_datablock(const Owner& owner, const std::string& id, const std::string& code,
                                  const std::string& message);
@@ -305,6 +310,11 @@ class Store {
   FileRecord get_file_locked(const Owner& owner, const std::string& id);
   BlobRef file_blob_locked(const Owner& owner, const std::string& id, bool text);
   DatablockRecord get_datablock_locked(const Owner& owner, const std::string& id);
+  // running → succeeded with a committed cartridge blob (inside a transaction).
+  DatablockRecord record_cartridge_locked(const Owner& owner, const std::string& id, const BlobRef& blob,
+                                          const std::string& progress, const std::string& metrics);
+  // Inserts a queued datablock row under a fresh run id (inside a transaction); returns the id.
+  std::string insert_datablock_locked(const Owner& owner, const NewDatablock& spec);
   BlobRef datablock_blob_locked(const Owner& owner, const std::string& id);
   // Moves a datablock from one of `from` to `to`, setting the extra assignments (SQL with
   // ?3 = now). NotFoundError or ConflictError (naming the current status) when it cannot.

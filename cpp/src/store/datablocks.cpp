@@ -117,21 +117,48 @@ int64_t Store::sweep_job_dirs() {
 }
 
 DatablockRecord Store::create_datablock(const Owner& owner, const NewDatablock& spec) {
-  store_common::check_name(spec.project, "project name");
-  checked_json_object(spec.config, "config");
   if (spec.training_files.empty()) throw std::invalid_argument("a datablock needs at least one training file");
-  if (spec.num_tokens < 0) throw std::invalid_argument("num_tokens must be non-negative (0: decided by the job)");
   std::lock_guard<std::mutex> lock(mutex_);
   Transaction tx(db());
+  const std::string run_id = insert_datablock_locked(owner, spec);
+  DatablockRecord record = get_datablock_locked(owner, run_id);
+  tx.commit();
+  return record;
+}
+
+DatablockRecord Store::import_datablock(const Owner& owner, const NewDatablock& spec, const std::string& fingerprint,
+                                        BlobWriter& cartridge, const std::string& progress,
+                                        const std::string& metrics) {
+  checked_json_object(progress, "progress");
+  checked_json_object(metrics, "metrics");
+  BlobRef blob = commit_blob(cartridge);
+  store_common::BlobGuard guard(blob_path(blob.id));
+  DatablockRecord record;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Transaction tx(db());
+    const std::string run_id = insert_datablock_locked(owner, spec);
+    // The status trigger allows only forward steps: queued → running → succeeded.
+    transition_locked(owner, run_id, {"queued"}, "running", ", started_at = ?3, fingerprint = ?4", {fingerprint});
+    record = record_cartridge_locked(owner, run_id, blob, progress, metrics);
+    tx.commit();
+  }
+  guard.disarm();
+  return record;
+}
+
+std::string Store::insert_datablock_locked(const Owner& owner, const NewDatablock& spec) {
+  store_common::check_name(spec.project, "project name");
+  checked_json_object(spec.config, "config");
+  if (spec.num_tokens < 0) throw std::invalid_argument("num_tokens must be non-negative (0: decided by the job)");
   for (const auto& file_id : spec.training_files) {
     Stmt f(db_, "SELECT 1 FROM files WHERE id = ?1 AND (?2 OR owner_id = ?3)");
     f.bind(1, file_id).bind(2, int64_t{owner.admin}).bind(3, owner.user_id);
     if (!f.step()) throw NotFoundError("No such file: '" + file_id + "'");
   }
   const int64_t created = store_common::now();
-  std::string run_id;
   for (int attempt = 0;; ++attempt) {
-    run_id = store_io::random_token(kRunIdChars, kLowerAlphanumeric);
+    const std::string run_id = store_io::random_token(kRunIdChars, kLowerAlphanumeric);
     try {
       Stmt(db_,
            "INSERT INTO datablocks (run_id, owner_id, project, model, model_path, training_files, config, status, "
@@ -148,14 +175,11 @@ DatablockRecord Store::create_datablock(const Owner& owner, const NewDatablock& 
           .bind(9, spec.num_tokens)
           .bind(10, created)
           .run();
-      break;
+      return run_id;
     } catch (const ConflictError&) {
       if (attempt >= 3) throw;  // 36^12 ids: a repeated collision is not chance
     }
   }
-  DatablockRecord record = get_datablock_locked(owner, run_id);
-  tx.commit();
-  return record;
 }
 
 DatablockRecord Store::get_datablock_locked(const Owner& owner, const std::string& id) {
@@ -275,15 +299,20 @@ DatablockRecord Store::succeed_datablock(const Owner& owner, const std::string& 
   {
     std::lock_guard<std::mutex> lock(mutex_);
     Transaction tx(db());
-    insert_blob_locked(blob);
-    record = transition_locked(owner, id, {"running"}, "succeeded",
-                               ", finished_at = ?3, progress = ?4, metrics = ?5, blob_id = ?6",
-                               {progress, metrics, blob.id});
+    record = record_cartridge_locked(owner, id, blob, progress, metrics);
     tx.commit();
   }
   guard.disarm();
   remove_job_dir(record.run_id);
   return record;
+}
+
+DatablockRecord Store::record_cartridge_locked(const Owner& owner, const std::string& id, const BlobRef& blob,
+                                               const std::string& progress, const std::string& metrics) {
+  insert_blob_locked(blob);
+  return transition_locked(owner, id, {"running"}, "succeeded",
+                           ", finished_at = ?3, progress = ?4, metrics = ?5, blob_id = ?6",
+                           {progress, metrics, blob.id});
 }
 
 DatablockRecord Store::fail_datablock(const Owner& owner, const std::string& id, const std::string& code,

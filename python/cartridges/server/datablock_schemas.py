@@ -74,10 +74,15 @@ class DatablockObject(BaseModel):
                                    "leaves it to the corpus (an eighth of it).")
     bytes: int | None = Field(description="Size of the stored cartridge once trained.")
     error: DatablockError | None
+    imported_from: str | None = Field(
+        default=None, description="Set for a cartridge made elsewhere and added with `cartridges import` (a PEFT "
+        "adapter, a research .pt): the name it was imported from. Such a datablock was not trained here; its "
+        "`config` holds only its length.")
 
     @classmethod
     def of(cls, record: Any) -> DatablockObject:
         error = None
+        config = json.loads(record.config)
         if record.error_code is not None:
             error = DatablockError(code=record.error_code, message=record.error_message or "")
         return cls(
@@ -88,7 +93,7 @@ class DatablockObject(BaseModel):
             model=record.model,
             status=record.status,
             training_files=list(record.training_files),
-            config=TrainConfig.from_dict(json.loads(record.config)),
+            config=TrainConfig.from_dict(config),
             created_at=record.created_at,
             started_at=record.started_at,
             finished_at=record.finished_at,
@@ -97,6 +102,7 @@ class DatablockObject(BaseModel):
             num_tokens=record.num_tokens or None,
             bytes=record.bytes,
             error=error,
+            imported_from=config.get("imported_from"),
         )
 
 

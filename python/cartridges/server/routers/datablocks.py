@@ -6,10 +6,14 @@ slashes, hence the `:path` converter."""
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path as PathLib
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query
+from fastapi.responses import FileResponse
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from cartridges.models.default import base_model_id
@@ -94,6 +98,65 @@ def list_datablocks(
     """The caller's datablocks, newest first by default, in pages walked with `after`."""
     page = store.list_datablocks(user.owner, status=status, after=after, limit=limit, descending=order == "desc")
     return list_object(DatablockList, [DatablockObject.of(r) for r in page.data], page.has_more)
+
+
+# The cartridge's download formats: file name suffix and media type.
+EXPORT_FORMATS = {
+    "safetensors": (".safetensors", "application/octet-stream"),
+    "peft": ("-peft.zip", "application/zip"),
+    "pt": (".pt", "application/octet-stream"),
+}
+
+
+# Registered before the retrieve route: `{datablock_id:path}` would otherwise take ".../content".
+@router.get(
+    "/datablocks/{datablock_id:path}/content",
+    summary="Download a datablock's cartridge",
+    response_class=FileResponse,
+    responses={200: {"description": "The cartridge file, or with `format=peft` a zip of the PEFT adapter "
+                     "directory.", "content": {"application/octet-stream": {}, "application/zip": {}}},
+               **error_responses(401, 404, 409, 500)},
+)
+def datablock_content(
+    datablock_id: DatablockId,
+    user: CurrentUser,
+    store: StoreDep,
+    format: Annotated[Literal["safetensors", "peft", "pt"], Query(
+        description="`safetensors`: this package's cartridge file (`Cartridge.load`); `peft`: a zip of a Hugging "
+        "Face PEFT `CARTRIDGE` adapter directory (`PeftModel.from_pretrained`); `pt`: the research code's "
+        "`.pt`.")] = "safetensors",
+) -> FileResponse:
+    """The trained cartridge of the caller's datablock, in the format asked for (docs/formats.md)."""
+    from cartridges.cartridge import Cartridge, CartridgeFileError
+
+    record = store.get_datablock(user.owner, datablock_id)
+    if record.status != "succeeded":
+        raise APIError(409, f"Datablock '{record.id}' has no cartridge yet (status: {record.status}).",
+                       code="cartridge_not_ready")
+    path = store.datablock_cartridge_path(user.owner, record.id)
+    suffix, media_type = EXPORT_FORMATS[format]
+    filename = f"{record.project}-{record.run_id}{suffix}"
+    if format == "safetensors":
+        return FileResponse(path, media_type=media_type, filename=filename)
+    try:
+        cartridge = Cartridge.load(path)
+    except CartridgeFileError as error:
+        raise APIError(500, f"The cartridge of '{record.id}' could not be read: {error.reason}.",
+                       code="cartridge_unreadable") from None
+    handle, scratch = tempfile.mkstemp(prefix="cartridge-export-", suffix=suffix)
+    os.close(handle)
+    try:
+        if format == "peft":
+            from cartridges.peft_adapter import save_peft_zip
+
+            save_peft_zip(cartridge, scratch, base_model=record.model)
+        else:
+            cartridge.export_pt(scratch)
+    except BaseException:
+        os.unlink(scratch)
+        raise
+    return FileResponse(scratch, media_type=media_type, filename=filename,
+                        background=BackgroundTask(os.unlink, scratch))
 
 
 @router.get("/datablocks/{datablock_id:path}", summary="Retrieve a datablock", response_model=DatablockObject,
