@@ -15,6 +15,7 @@ from cartridges.server import keys
 from cartridges.server.errors import install_error_handlers, strip_default_422
 from cartridges.server.extraction import Extractor
 from cartridges.server.metrics import Metrics, RequestCounter
+from cartridges.server.openapi_examples import add_examples
 from cartridges.server.routers import chat, datablocks, files, serving
 from cartridges.server.serving import Serving
 from cartridges.server.settings import Settings
@@ -81,7 +82,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-            app.openapi_schema = strip_default_422(schema)
+            app.openapi_schema = add_examples(strip_default_422(schema))
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -86,8 +86,11 @@ def delete_file(file_id: FileId, user: CurrentUser, store: StoreDep) -> FileDele
             "description": "The exact bytes uploaded; `Range` requests are honoured (206).",
             "content": {media.split(";")[0]: {"schema": {"type": "string", "format": "binary"}} for media in MEDIA_TYPES.values()},
         },
-        206: {"description": "The requested byte range."},
-        **error_responses(401, 404, 416, 500),
+        206: {"description": "The requested byte range.",
+              "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+        416: {"description": "The requested byte range is outside the file (an empty body, with "
+              "`Content-Range: bytes */<size>`)."},
+        **error_responses(401, 404, 500),
     },
 )
 def file_content(file_id: FileId, user: CurrentUser, store: StoreDep) -> FileResponse:
