@@ -83,7 +83,16 @@ def test_range_requests(server: LiveServer, user_key: str) -> None:
     tail = http.get(f"/v1/files/{file_id}/content", headers={"Range": "bytes=-5"})
     assert tail.status_code == 206 and tail.content == content[-5:]
     outside = http.get(f"/v1/files/{file_id}/content", headers={"Range": f"bytes={len(content) + 10}-"})
-    assert outside.status_code == 416
+    assert outside.status_code == 416 and outside.headers["content-range"] == f"bytes */{len(content)}"
+    assert outside.json()["error"]["code"] == "range_not_satisfiable"
+    for malformed in ("bytes", "items=0-3", "bytes=5-2"):
+        refused = http.get(f"/v1/files/{file_id}/content", headers={"Range": malformed})
+        assert refused.status_code == 400, malformed
+        assert refused.json()["error"] | {"message": ""} == {"message": "", "type": "invalid_request_error",
+                                                             "param": "Range", "code": "invalid_range"}
+    # a Range that If-Range rules out is ignored, as HTTP says: the whole file
+    whole = http.get(f"/v1/files/{file_id}/content", headers={"Range": "bytes=0-3", "If-Range": '"stale"'})
+    assert whole.status_code == 200 and whole.content == content
 
 
 def test_admin_key_acts_on_any_users_files(server: LiveServer, user_key: str) -> None:

@@ -32,6 +32,7 @@ DEFAULT_CODES = {
     405: "method_not_allowed",
     409: "conflict",
     413: "file_too_large",
+    416: "range_not_satisfiable",
     429: "rate_limited",
     500: "internal_error",
     503: "unavailable",
@@ -92,6 +93,8 @@ _DESCRIPTIONS = {
     404: "No such object, or it belongs to someone else (`not_found`, `model_not_found`).",
     409: "The object's state forbids the action (`conflict`, `cartridge_not_ready`).",
     413: "The upload is over the size limit (`file_too_large`).",
+    416: "The requested byte range is outside the file (`range_not_satisfiable`, with `Content-Range: bytes "
+    "*/<size>`).",
     429: "Over a limit for now (`rate_limited`, `cartridge_memory_full`); retry after `Retry-After` seconds.",
     500: "A bug or damaged storage (`internal_error`); never a stack trace.",
     503: "The model is still loading, or the engine is down (`unavailable`).",

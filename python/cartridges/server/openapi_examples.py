@@ -128,6 +128,8 @@ ERRORS: dict[int, dict[str, Any]] = {
           "type": "invalid_request_error", "param": "model", "code": "cartridge_not_ready"},
     413: {"message": "File too large: the limit is 536870912 bytes.", "type": "invalid_request_error",
           "param": "file", "code": "file_too_large"},
+    416: {"message": "The requested range is outside the file (48213 bytes).", "type": "invalid_request_error",
+          "param": None, "code": "range_not_satisfiable"},
     429: {"message": "The server has too many requests waiting; retry shortly.", "type": "rate_limit_error",
           "param": None, "code": "rate_limited"},
     500: {"message": "Internal server error.", "type": "server_error", "param": None, "code": "internal_error"},
