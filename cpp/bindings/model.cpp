@@ -122,7 +122,23 @@ void bind_llama_model(py::module_& m) {
             ComputeLock turn;
             return std::make_shared<KVPrefix>(m.prefix_from_tokens(tokens));
           },
-          py::arg("tokens"));
+          py::arg("tokens"))
+      .def(
+          "queries_and_prefix",
+          [](const LlamaModel& m, const at::Tensor& tokens) {
+            py::gil_scoped_release release;
+            ComputeLock turn;
+            std::vector<at::Tensor> queries;
+            auto prefix = std::make_shared<KVPrefix>(m.prefix_from_tokens(tokens, &queries));
+            return std::make_pair(queries, prefix);
+          },
+          py::arg("tokens"),
+          "Each layer's queries [heads, S, head_dim] after RoPE and the KV prefix of `tokens` [S], from one "
+          "pass at positions 0..S-1 (what attention matching compacts).")
+      .def("rotate", &LlamaModel::rotate, py::arg("x"), py::arg("positions"),
+           py::call_guard<py::gil_scoped_release>(),
+           "x [heads, S, head_dim] rotated by RoPE at `positions` [S]; keys at position i rotated by p - i are "
+           "at position p.");
 }
 
 }  // namespace

@@ -39,8 +39,16 @@ def spread_tokens(corpus: Corpus, n: int, pieces: int = 8) -> list[int]:
 
 def init_params(model: Any, corpus: Corpus, config: TrainConfig) -> cartridges_core.CartridgeParams:
     """The trainable prefix before training: the KV of the first `num_tokens` corpus tokens
-    (fewer when the corpus is shorter), of `num_tokens` tokens spread over it ("spread"), or
-    of unrelated text repeated to `num_tokens`."""
+    (fewer when the corpus is shorter), of `num_tokens` tokens spread over it ("spread"), the
+    whole corpus' KV compacted by attention matching ("compact"), or of unrelated text
+    repeated to `num_tokens`."""
+    if config.init == "compact":
+        from .selfstudy.compaction import compact_prefix
+
+        if min(config.num_tokens, len(corpus)) <= config.num_frozen:
+            raise ValueError(f"a cartridge needs more than num_frozen={config.num_frozen} tokens")
+        prefix = compact_prefix(native_model(model), list(corpus.tokens), config.num_tokens)
+        return cartridges_core.CartridgeParams(prefix, config.num_frozen)
     if config.init == "corpus":
         tokens = corpus.tokens[: config.num_tokens]
     elif config.init == "spread":

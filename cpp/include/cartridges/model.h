@@ -34,6 +34,9 @@ struct ForwardBatch {
   at::Tensor tokens;                  // [B, S] int64
   std::vector<int64_t> num_new;       // valid tokens per row (1..S); empty = all S
   std::vector<PrefixList> prefixes;   // per row; empty = no prefixes
+  // When set, receives each layer's queries [B, H, S, D] after RoPE (attention matching's
+  // reference queries); null on every serving and training path.
+  std::vector<at::Tensor>* queries = nullptr;
 };
 
 // A weight matrix as stored in a GGUF file: `format` "Q4_0", "Q4_1" or "Q8_0", `data` uint8
@@ -97,8 +100,12 @@ class LlamaModel {
   // with the same prefix list attend to it together, reading it once per layer.
   at::Tensor forward_packed(const PackedBatch& batch, KVPool& pool) const;
 
-  // KV of `tokens` [S] as a prefix (the prefix-from-text initialization of a cartridge).
-  KVPrefix prefix_from_tokens(const at::Tensor& tokens) const;
+  // KV of `tokens` [S] as a prefix (the prefix-from-text initialization of a cartridge); with
+  // `queries`, also each layer's queries [H, S, D] after RoPE, from the same pass.
+  KVPrefix prefix_from_tokens(const at::Tensor& tokens, std::vector<at::Tensor>* queries = nullptr) const;
+  // x [H, S, D] rotated by RoPE at `positions` [S] (any integers; negative ones rotate back):
+  // rotating keys stored at position i by p - i moves them to position p.
+  at::Tensor rotate(const at::Tensor& x, const at::Tensor& positions) const;
 
  private:
   struct Layer {

@@ -222,6 +222,7 @@ at::Tensor LlamaModel::forward_hidden(const ForwardBatch& batch, KVCache* cache)
     q = ops::apply_rope(q.transpose(1, 2), cos, sin);  // [B, H, S, D]
     k = ops::apply_rope(k.transpose(1, 2), cos, sin);  // [B, Hkv, S, D]
     v = v.transpose(1, 2);
+    if (batch.queries != nullptr) batch.queries->push_back(q);
 
     at::Tensor keys = k, values = v;
     if (cache) {
@@ -357,18 +358,27 @@ at::Tensor LlamaModel::forward_last(const ForwardBatch& batch, KVCache* cache) c
   return logits(hidden.gather(1, index).squeeze(1));
 }
 
-KVPrefix LlamaModel::prefix_from_tokens(const at::Tensor& tokens) const {
+KVPrefix LlamaModel::prefix_from_tokens(const at::Tensor& tokens, std::vector<at::Tensor>* queries) const {
   TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) > 0, "prefix_from_tokens: tokens must be a non-empty 1-D tensor");
   const int64_t n = tokens.size(0);
   KVCache cache = new_cache(1, n);
-  ForwardBatch batch{tokens.view({1, n}), {}, {}};
+  std::vector<at::Tensor> batch_queries;
+  ForwardBatch batch{tokens.view({1, n}), {}, {}, queries ? &batch_queries : nullptr};
   forward_hidden(batch, &cache);
   KVPrefix prefix;
   for (int64_t l = 0; l < config_.num_layers; ++l) {
     prefix.keys.push_back(cache.keys[l][0].clone());
     prefix.values.push_back(cache.values[l][0].clone());
+    if (queries) queries->push_back(batch_queries[l][0]);
   }
   return prefix;
+}
+
+at::Tensor LlamaModel::rotate(const at::Tensor& x, const at::Tensor& positions) const {
+  TORCH_CHECK(x.dim() == 3 && x.size(2) == config_.head_dim, "rotate: x must be [heads, S, head_dim]");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == x.size(1), "rotate: one position per row of x");
+  auto [cos, sin] = ops::rope_cos_sin(inv_freq_, positions.to(at::kLong).unsqueeze(0).to(device_), x.scalar_type());
+  return ops::apply_rope(x.unsqueeze(0).to(device_), cos, sin).squeeze(0);
 }
 
 }  // namespace cartridges

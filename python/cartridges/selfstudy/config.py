@@ -12,13 +12,13 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-Init = Literal["corpus", "spread", "text"]
+Init = Literal["corpus", "spread", "compact", "text"]
 Objective = Literal["distill", "next_token"]
 LossWeighting = Literal["step", "token", "row"]
 INITS: tuple[str, ...] = Init.__args__
 OBJECTIVES: tuple[str, ...] = Objective.__args__
 LOSS_WEIGHTINGS: tuple[str, ...] = LossWeighting.__args__
-INITS_FROM_CORPUS = ("corpus", "spread")  # their KV is of corpus tokens: never more than the corpus has
+INITS_FROM_CORPUS = ("corpus", "spread", "compact")  # their KV is of corpus tokens: never more than the corpus has
 # The fields the C++ training loop takes (cartridges_core.TrainOptions, same names and defaults).
 CORE_TRAINING_FIELDS = ("learning_rate", "anchor", "epochs", "batch_size", "grad_accum", "cosine", "warmup",
                         "layer_scaled_lr", "channel_scaled_lr", "loss_weighting", "seed")
@@ -75,7 +75,9 @@ class TrainConfig(BaseModel):
     init: Init = "corpus"
     """Where the cartridge's initial KV comes from: "corpus", the KV cache of the first
     num_tokens tokens of the corpus; "spread", of num_tokens corpus tokens taken as 8 evenly
-    spaced runs from all over it; "text", of an unrelated built-in text (repeated as needed).
+    spaced runs from all over it; "compact", the KV of the whole corpus compacted to num_tokens
+    by attention matching (window by window: `cartridges.selfstudy.compaction`); "text", of an
+    unrelated built-in text (repeated as needed).
     The default is "corpus": "spread" started lower and trained to a lower figure
     (docs/experiments.md, "Which learning rate, teacher window and initialization suit the
     tuning document?")."""

@@ -1,0 +1,84 @@
+"""Attention-matching compaction (cartridges.selfstudy.compaction): RoPE moves keys between
+positions exactly; the compact KV keeps the sink, covers every window, and reproduces the
+corpus' attention outputs better than the corpus' first tokens do."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import cartridges
+from cartridges import TrainConfig
+from cartridges.selfstudy.chunking import Corpus
+from cartridges.selfstudy.compaction import compact_prefix, window_shares
+
+from .tiny import CharTokenizer
+
+TEXT = ("The lighthouse keeper Arven logs each ship. Ferries cross at nine and at four. The mill by the river "
+        "grinds rye on Tuesdays. Salt comes from the eastern flats in June. ") * 4
+
+
+def test_rotation_moves_keys_between_positions(model) -> None:
+    keys = model.native.prefix_from_tokens(torch.tensor(CharTokenizer().encode(TEXT[:40]))).keys[0]
+    positions = torch.arange(40)
+    assert torch.equal(model.native.rotate(keys, torch.zeros(40, dtype=torch.long)), keys)
+    there = model.native.rotate(keys, positions * 3)
+    assert torch.allclose(model.native.rotate(there, -positions * 3), keys, atol=1e-5)
+    assert torch.allclose(model.native.rotate(model.native.rotate(keys, positions), positions),
+                          model.native.rotate(keys, 2 * positions), atol=1e-5)
+    assert torch.allclose(there.norm(dim=-1), keys.norm(dim=-1), atol=1e-5)  # a rotation
+    # queries and keys rotated alike keep their scores: what depends only on relative position
+    q = torch.randn(2, 40, keys.shape[-1])
+    shift = torch.full((40,), 17)
+    assert torch.allclose(model.native.rotate(q, shift) @ model.native.rotate(keys, shift).transpose(1, 2),
+                          q @ keys.transpose(1, 2), atol=1e-4)
+
+
+def test_window_shares_cover_the_corpus() -> None:
+    shares = window_shares(10_000, 600, 2048)
+    assert [(s, e) for s, e, _ in shares] == [(0, 2048), (2048, 4096), (4096, 6144), (6144, 8192), (8192, 10_000)]
+    assert sum(k for _, _, k in shares) == 600 and all(k >= 100 for _, _, k in shares)
+    assert sum(k for _, _, k in window_shares(5, 3, 2)) == 3
+    with pytest.raises(ValueError):
+        window_shares(10_000, 3, 2048)
+
+
+def attention_error(prefix, full, queries: torch.Tensor) -> float:
+    """Mean squared difference of layer 0's attention outputs over `prefix` and over `full`,
+    for `queries` [Hkv, n, D] placed after both."""
+    def output(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return (queries @ k.transpose(1, 2) / math.sqrt(k.shape[-1])).softmax(-1) @ v
+
+    return (output(prefix.keys[0], prefix.values[0]) - output(full.keys[0], full.values[0])).pow(2).mean().item()
+
+
+def test_the_compact_kv_matches_the_corpus_attention(model) -> None:
+    tokens = CharTokenizer().encode(TEXT)  # 600+ tokens, read in windows of 128
+    full = model.native.prefix_from_tokens(torch.tensor(tokens))
+    compact = compact_prefix(model.native, tokens, 64, window=128)
+    assert compact.num_tokens == 64 and compact.keys[0].shape == full.keys[0][:, :64].shape
+    assert all(torch.equal(c[:, 0], f[:, 0]) for c, f in zip(compact.keys, full.keys))  # the sink, in place
+    # every slot holds a key of the corpus (moved), no slot is left empty
+    assert all(torch.isfinite(k).all() and torch.isfinite(v).all() for k, v in zip(compact.keys, compact.values))
+    # queries that read the whole corpus (its last tokens', at the end) are answered closer to
+    # the full KV's answers by the compact KV than by the corpus' first 64 tokens
+    queries = model.native.queries_and_prefix(torch.tensor(tokens + tokens[-64:]))[0][0][:, -64:]
+    kv_heads = compact.keys[0].shape[0]
+    grouped = queries.reshape(kv_heads, -1, queries.shape[-1])
+    first = model.native.prefix_from_tokens(torch.tensor(tokens[:64]))
+    assert attention_error(compact, full, grouped) < attention_error(first, full, grouped)
+
+
+def test_a_cartridge_starts_from_the_compact_kv(model) -> None:
+    config = TrainConfig(num_tokens=32, init="compact", num_samples=4, epochs=1, batch_size=2, chunk_tokens=48,
+                         teacher_tokens=96, max_question_tokens=8, max_answer_tokens=8, synthesis_batch_size=2,
+                         top_k=4)
+    from cartridges.training import init_params
+
+    corpus = Corpus.from_texts(model.tokenizer, [TEXT])
+    params = init_params(model, corpus, config)
+    assert params.num_tokens == 32
+    expected = compact_prefix(model.native, list(corpus.tokens), 32)
+    assert torch.equal(cartridges.Cartridge.from_params(params).keys[1], expected.keys[1])
