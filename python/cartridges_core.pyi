@@ -578,6 +578,14 @@ class LlamaModel:
         ...
     def prefix_from_tokens(self, tokens: torch.Tensor) -> KVPrefix:
         ...
+    def queries_and_prefix(self, tokens: torch.Tensor) -> tuple[list[torch.Tensor], KVPrefix]:
+        """
+        Each layer's queries [heads, S, head_dim] after RoPE and the KV prefix of `tokens` [S], from one pass at positions 0..S-1 (what attention matching compacts).
+        """
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """
+        x [heads, S, head_dim] rotated by RoPE at `positions` [S]; keys at position i rotated by p - i are at position p.
+        """
     @property
     def config(self) -> LlamaConfig:
         ...
