@@ -239,6 +239,18 @@ class _Bar:
             self.bar = None
 
 
+def _compacted(model: Any, corpus: Corpus, config: TrainConfig) -> Cartridge:
+    """objective="compact": the corpus' KV compacted by attention matching, untrained."""
+    started = time.perf_counter()
+    params = init_params(model, corpus, config.replace(init="compact"))
+    cartridge = Cartridge.from_params(params, model_fingerprint(model), config.to_dict())
+    cartridge.stats = {"losses": [], "steps": 0, "cancelled": False, "num_conversations": 0,
+                       "num_target_tokens": 0, "synthesis_s": 0.0, "training_s": time.perf_counter() - started,
+                       "quality_s": 0.0, "quality": None, "signal_by_part": None, "held_out_parts": None,
+                       "data": None, "held_out": None}
+    return cartridge
+
+
 # Longer than 60 lines for its docstring and the order of the stages (data, loop options, training,
 # quality report) with their timings; each stage is a function of its own.
 def train(
@@ -279,6 +291,8 @@ def train(
     else:
         corpus = Corpus.from_texts(model.tokenizer, [texts] if isinstance(texts, str) else texts)
     config = config.for_corpus(len(corpus))  # the cartridge records the number of conversations made
+    if config.objective == "compact":
+        return _compacted(model, corpus, config)
     bar = _Bar(progress, on_progress)
     quality = None
     signal = parts = None  # unknown for data made elsewhere

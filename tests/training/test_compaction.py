@@ -82,3 +82,11 @@ def test_a_cartridge_starts_from_the_compact_kv(model) -> None:
     assert params.num_tokens == 32
     expected = compact_prefix(model.native, list(corpus.tokens), 32)
     assert torch.equal(cartridges.Cartridge.from_params(params).keys[1], expected.keys[1])
+
+
+def test_the_compact_objective_trains_nothing(model) -> None:
+    cartridge = cartridges.train(model, TEXT, TrainConfig(objective="compact", num_tokens=32), progress=False)
+    assert cartridge.stats["steps"] == 0 and cartridge.stats["num_conversations"] == 0
+    assert cartridge.config["objective"] == "compact" and cartridge.num_frozen == 1
+    expected = compact_prefix(model.native, CharTokenizer().encode(TEXT), 32)
+    assert all(torch.equal(a, b) for a, b in zip(cartridge.values, expected.values))

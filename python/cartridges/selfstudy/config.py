@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 Init = Literal["corpus", "spread", "compact", "text"]
-Objective = Literal["distill", "next_token"]
+Objective = Literal["distill", "next_token", "compact"]
 LossWeighting = Literal["step", "token", "row"]
 INITS: tuple[str, ...] = Init.__args__
 OBJECTIVES: tuple[str, ...] = Objective.__args__
@@ -84,9 +84,12 @@ class TrainConfig(BaseModel):
     objective: Objective = "distill"
     """What the cartridge is trained toward: "distill", context distillation on synthetic
     conversations (the method); "next_token", plain next-token loss on windows of the corpus
-    (the ablation; no synthesis). The default is "distill", the method the experiments measure
+    (the ablation; no synthesis); "compact", no training at all: the cartridge is the whole
+    corpus' KV compacted by attention matching (as `init="compact"`), in minutes where training
+    takes an hour on a long corpus. The default is "distill", the method the experiments measure
     (docs/experiments.md, "Does self-study distillation recover a document's facts, and better
-    than next-token training?")."""
+    than next-token training?"; "How much does attention-matching compaction recover without
+    training?")."""
 
     # Synthesis
     num_samples: int | None = Field(None, ge=1)
