@@ -30,12 +30,12 @@ def store(tmp_path: Path):
     s.close()
 
 
-def queue_job(store, model_dir: Path) -> tuple[object, str, str]:
+def queue_job(store, model_dir: Path, **fields: object) -> tuple[object, str, str]:
     owner = core().Owner(store.create_user("alice").id, False)
     writer = store.begin_blob()
     writer.write(DOCUMENT.encode())
     file_id = store.create_file(owner, writer, "doc.txt", "cartridge-training").id  # status: uploaded
-    config = TrainConfig.model_validate(TINY_TRAIN_CONFIG)
+    config = TrainConfig.model_validate({**TINY_TRAIN_CONFIG, **fields})
     block = store.create_datablock(owner, project="default", model="tiny", model_path=str(model_dir),
                                    training_files=[file_id], config=json.dumps(config.to_dict()),
                                    num_tokens=config.num_tokens)
@@ -66,6 +66,18 @@ def test_a_file_still_processing_is_waited_for(store, tiny_model_dir: Path) -> N
     assert len(shares) == 10 and abs(sum(shares) - 1) < 1e-9
     store.verify_datablock(owner, run_id)
     assert Cartridge.load(store.datablock_cartridge_path(owner, run_id)).quality == quality
+
+
+def test_a_compact_job_trains_nothing_and_succeeds(store, tiny_model_dir: Path) -> None:
+    owner, file_id, run_id = queue_job(store, tiny_model_dir, objective="compact", num_tokens=16)
+    store.set_file_processed(owner, file_id, None)
+    run_job(run_id, store.data_dir)
+    record = store.get_datablock(owner, run_id)
+    assert record.status == "succeeded", (record.error_code, record.error_message)
+    metrics = json.loads(record.metrics)
+    assert metrics["quality"] is None and metrics["loss"] is None
+    cartridge = Cartridge.load(store.datablock_cartridge_path(owner, run_id))
+    assert cartridge.num_tokens == 16 and cartridge.config["objective"] == "compact"
 
 
 def test_several_training_files_are_read_in_order_under_their_names(store) -> None:
