@@ -121,8 +121,9 @@ class TrainConfig(BaseModel):
     """Share of the conversations that join two parts of the corpus far apart (their centres
     at least a quarter of it apart, the chunks never overlapping): the message quotes the start of a sentence from each
     and asks for both to go on, word for word, and the teacher reads both chunks. They give
-    questions that need two distant parts at once (multi-hop) something to learn from. 0, the
-    default, until measured on the long documents."""
+    questions that need two distant parts at once (multi-hop) something to learn from. 0 by
+    default: a quarter of joined conversations left the atlas' multi-hop questions where they
+    were (docs/experiments.md, "Do joined conversations teach multi-hop questions?")."""
     synthesis_batch_size: int = Field(16, ge=1)
     """Conversations generated together; they share their chunk and window (and their KV)."""
     question_temperature: float = Field(0.6, ge=0.0)
