@@ -81,9 +81,9 @@ class TrainConfig(BaseModel):
     The default is "corpus": "spread" started lower and trained to a lower figure
     (docs/experiments.md, "Which learning rate, teacher window and initialization suit the
     tuning document?"). On a corpus beyond the context, "compact" trained the atlas' cartridge
-    to 0.63 of the oracle's gain where "corpus" reached 0.42; it becomes the default once
-    measured on held-out documents, long and short (docs/experiments.md, "How much does
-    attention-matching compaction recover without training?")."""
+    to 0.63 of the oracle's gain where "corpus" reached 0.42, but the held-out rulebook only to
+    0.43, so the default is unchanged (docs/experiments.md, "How much does attention-matching
+    compaction recover without training?")."""
     objective: Objective = "distill"
     """What the cartridge is trained toward: "distill", context distillation on synthetic
     conversations (the method); "next_token", plain next-token loss on windows of the corpus
