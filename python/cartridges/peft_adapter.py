@@ -79,18 +79,20 @@ def load_peft(directory: str | os.PathLike[str], model: Any | None = None) -> Ca
     path = Path(directory)
     config = _read_config(path)
     embeddings, fingerprint = _read_embeddings(path)
-    layers, heads, token_dim = (int(config[k]) for k in ("num_layers", "num_attention_heads", "token_dim"))
-    tokens = int(config.get("num_virtual_tokens") or embeddings.shape[0])
+    if embeddings.dim() != 2:
+        raise CartridgeFileError(path, f"prompt_embeddings must be 2-D, got {list(embeddings.shape)}")
+    layers, heads, token_dim = (_count(path, config, k) for k in ("num_layers", "num_attention_heads", "token_dim"))
+    tokens = _count(path, config, "num_virtual_tokens", embeddings.shape[0])
+    frozen = _count(path, config, "num_frozen_tokens", 0)
     if heads < 1 or token_dim % heads:
         raise CartridgeFileError(path, f"token_dim {token_dim} is not a multiple of num_attention_heads {heads}")
     head_dim = token_dim // heads
-    if embeddings.dim() != 2 or tuple(embeddings.shape) != (tokens, layers * 2 * token_dim):
+    if tuple(embeddings.shape) != (tokens, layers * 2 * token_dim):
         raise CartridgeFileError(path, f"prompt_embeddings is {list(embeddings.shape)}, expected "
                                f"[{tokens}, {layers * 2 * token_dim}] (num_virtual_tokens, num_layers*2*token_dim)")
-    if int(config.get("num_transformer_submodules") or 1) != 1:
+    if _count(path, config, "num_transformer_submodules", 1) != 1:
         raise CartridgeFileError(path, "only decoder-only adapters (num_transformer_submodules 1) are supported")
     kv = embeddings.reshape(tokens, layers * 2, heads, head_dim).permute(1, 2, 0, 3)  # [2L, heads, tokens, dim]
-    frozen = int(config.get("num_frozen_tokens", 0) or 0)
     try:
         cartridge = Cartridge([kv[2 * i].contiguous() for i in range(layers)],
                               [kv[2 * i + 1].contiguous() for i in range(layers)],
@@ -104,6 +106,16 @@ def load_peft(directory: str | os.PathLike[str], model: Any | None = None) -> Ca
     return cartridge
 
 
+def _count(path: Path, config: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A non-negative integer of the adapter's config (`default` when absent or null)."""
+    value = config.get(key)
+    if value is None and default is not None:
+        return int(default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CartridgeFileError(path, f"{CONFIG_NAME}: {key} must be a non-negative integer, got {value!r}")
+    return value
+
+
 def _read_config(path: Path) -> dict[str, Any]:
     try:
         config = json.loads((path / CONFIG_NAME).read_text())
@@ -114,9 +126,6 @@ def _read_config(path: Path) -> dict[str, Any]:
     if not isinstance(config, dict) or config.get("peft_type") != PEFT_TYPE:
         kind = config.get("peft_type") if isinstance(config, dict) else None
         raise CartridgeFileError(path, f"a {kind} adapter, not a {PEFT_TYPE} one")
-    missing = [k for k in ("num_layers", "num_attention_heads", "token_dim") if config.get(k) is None]
-    if missing:
-        raise CartridgeFileError(path, f"{CONFIG_NAME} lacks {', '.join(missing)}")
     return config
 
 

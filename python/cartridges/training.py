@@ -15,7 +15,7 @@ import cartridges_core
 from .cartridge import Cartridge, native_model, model_fingerprint
 from .quality import copy_params, quality_report
 from .selfstudy import Corpus, TrainConfig, next_token_data, synthesize, training_data
-from .selfstudy.config import CORE_TRAINING_FIELDS
+from .selfstudy.config import CORE_TRAINING_FIELDS, INITS_FROM_CORPUS
 from .selfstudy.checkpoint import load_conversations, save_conversations
 from .selfstudy.prompts import UNRELATED_TEXT
 from .selfstudy.chunking import part_of
@@ -42,22 +42,21 @@ def init_params(model: Any, corpus: Corpus, config: TrainConfig) -> cartridges_c
     (fewer when the corpus is shorter), of `num_tokens` tokens spread over it ("spread"), the
     whole corpus' KV compacted by attention matching ("compact"), or of unrelated text
     repeated to `num_tokens`."""
+    length = min(config.num_tokens, len(corpus)) if config.init in INITS_FROM_CORPUS else config.num_tokens
+    if length <= config.num_frozen:
+        raise ValueError(f"a cartridge needs more than num_frozen={config.num_frozen} tokens; it would have {length}")
     if config.init == "compact":
         from .selfstudy.compaction import compact_prefix
 
-        if min(config.num_tokens, len(corpus)) <= config.num_frozen:
-            raise ValueError(f"a cartridge needs more than num_frozen={config.num_frozen} tokens")
         prefix = compact_prefix(native_model(model), list(corpus.tokens), config.num_tokens)
-        return cartridges_core.CartridgeParams(prefix, config.num_frozen)
-    if config.init == "corpus":
-        tokens = corpus.tokens[: config.num_tokens]
-    elif config.init == "spread":
-        tokens = spread_tokens(corpus, config.num_tokens)
     else:
-        tokens = unrelated_tokens(model, config.num_tokens)
-    if len(tokens) <= config.num_frozen:
-        raise ValueError(f"a cartridge needs more than num_frozen={config.num_frozen} tokens; the corpus has {len(tokens)}")
-    prefix = native_model(model).prefix_from_tokens(torch.tensor(tokens, dtype=torch.long))
+        if config.init == "corpus":
+            tokens = corpus.tokens[: config.num_tokens]
+        elif config.init == "spread":
+            tokens = spread_tokens(corpus, config.num_tokens)
+        else:
+            tokens = unrelated_tokens(model, config.num_tokens)
+        prefix = native_model(model).prefix_from_tokens(torch.tensor(tokens, dtype=torch.long))
     return cartridges_core.CartridgeParams(prefix, config.num_frozen)
 
 

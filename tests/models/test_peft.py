@@ -115,6 +115,10 @@ def test_foreign_or_damaged_adapters_are_clear_errors(tmp_path: Path, ours: cart
     (good / "adapter_config.json").write_text(json.dumps({**config, "token_dim": 32}))
     with pytest.raises(CartridgeFileError, match="prompt_embeddings"):
         Cartridge.from_peft(good)
+    for bad in ({"num_layers": "two"}, {"num_layers": None}, {"token_dim": -16}, {"num_frozen_tokens": 1.5}):
+        (good / "adapter_config.json").write_text(json.dumps({**config, **bad}))
+        with pytest.raises(CartridgeFileError, match="non-negative integer"):
+            Cartridge.from_peft(good)
     (good / "adapter_config.json").write_text(json.dumps(config))
     (good / "adapter_model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(CartridgeFileError, match="not readable"):

@@ -118,6 +118,10 @@ def test_import_refuses_what_does_not_fit(chat_server: LiveServer, imported: dic
     missing = cli("import", str(tmp_path / "nothing"), "--user", "importer", "--model", str(chat_server.model),
                   "--data-dir", str(chat_server.data_dir))
     assert missing.returncode == 1 and "error:" in missing.stderr
+    unwritable = cli("export", str(imported["dir"]), str(tmp_path / "no" / "such" / "dir" / "c.pt"))
+    assert unwritable.returncode == 1 and "cannot write" in unwritable.stderr
+    unknown = cli("export", "alice/none/zzzzzzzzzzzz", str(tmp_path / "x"), "--data-dir", str(chat_server.data_dir))
+    assert unknown.returncode == 1 and "neither a file nor a datablock" in unknown.stderr
     nobody = cli("import", str(imported["dir"]), "--user", "nobody", "--model", str(chat_server.model),
                  "--data-dir", str(chat_server.data_dir))
     assert nobody.returncode == 1 and "no user 'nobody'" in nobody.stderr

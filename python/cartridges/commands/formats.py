@@ -64,18 +64,26 @@ def run_export(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     fmt = export_format(args.out, args.format)
-    if fmt == "pt":
-        cartridge.export_pt(args.out)
-    elif fmt == "safetensors":
-        cartridge.save(args.out)
-    elif args.out.lower().endswith(".zip"):
-        from ..peft_adapter import save_peft_zip
-
-        save_peft_zip(cartridge, args.out, base_model=base_model)
-    else:
-        cartridge.to_peft(args.out, base_model=base_model)
+    try:
+        _write(cartridge, args.out, fmt, base_model)
+    except (OSError, RuntimeError) as error:  # an unwritable or missing directory (torch.save: RuntimeError)
+        print(f"error: cannot write {args.out}: {error}", file=sys.stderr)
+        return 1
     print(f"wrote {args.out} ({fmt}, {cartridge.num_tokens} tokens)", file=sys.stderr)
     return 0
+
+
+def _write(cartridge: Any, out: str, fmt: str, base_model: str | None) -> None:
+    if fmt == "pt":
+        cartridge.export_pt(out)
+    elif fmt == "safetensors":
+        cartridge.save(out)
+    elif out.lower().endswith(".zip"):
+        from ..peft_adapter import save_peft_zip
+
+        save_peft_zip(cartridge, out, base_model=base_model)
+    else:
+        cartridge.to_peft(out, base_model=base_model)
 
 
 def _stored_cartridge(args: argparse.Namespace) -> tuple[Any, str]:
@@ -85,7 +93,7 @@ def _stored_cartridge(args: argparse.Namespace) -> tuple[Any, str]:
     from ..store import core, open_store
 
     settings = Settings.from_env(data_dir=args.data_dir)
-    if not (Path(settings.data_dir) / "cartridges.db").exists() and not Path(settings.data_dir).is_dir():
+    if not Path(settings.data_dir).is_dir():  # opening the store would create one there
         raise LookupError(f"'{args.source}' is neither a file nor a datablock (no store at {settings.data_dir})")
     store = open_store(settings.data_dir)
     try:

@@ -117,6 +117,8 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> N
         run_config = config.replace(checkpoint_every=DEFAULT_CHECKPOINT_EVERY)
     distill = config.objective == "distill"
     to_synthesize = config.num_samples + (config.quality_samples or 0) if distill else config.num_samples
+    if config.objective == "compact":  # no steps: one piece of work, then saving
+        to_synthesize = 1
     progress.update("synthesizing" if distill else "training", 0, to_synthesize)
     try:
         cartridge = train(model, corpus, run_config, progress=False, checkpoint=scratch / "train.ckpt",

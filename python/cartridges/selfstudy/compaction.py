@@ -39,7 +39,8 @@ def window_shares(corpus_tokens: int, num_tokens: int, window: int) -> list[tupl
     at least one each, summing to `num_tokens`."""
     bounds = [(start, min(start + window, corpus_tokens)) for start in range(0, corpus_tokens, window)]
     if num_tokens < len(bounds):
-        raise ValueError(f"a {num_tokens}-token cartridge cannot keep a token of each of {len(bounds)} windows")
+        raise ValueError(f"a {num_tokens}-token cartridge cannot keep a token of each of the corpus' {len(bounds)} "
+                         f"windows of {window} tokens: compact it to at least {len(bounds)} tokens")
     exact = [(end - start) * num_tokens / corpus_tokens for start, end in bounds]
     kept = [max(1, math.floor(x)) for x in exact]
     # hand out what rounding left, to the windows that lost most to it
@@ -60,7 +61,7 @@ def compact_prefix(native: Any, tokens: list[int], num_tokens: int, *, window: i
     config = native.config
     if num_tokens >= len(tokens):
         return native.prefix_from_tokens(torch.tensor(tokens, dtype=torch.long))
-    window = min(window, config.max_position_embeddings // 2)
+    window = min(window, (config.max_position_embeddings - 1) // 2)  # sink + the window twice fit the context
     group = config.num_heads // config.num_kv_heads
     keys: list[list[torch.Tensor]] = [[] for _ in range(config.num_layers)]
     values: list[list[torch.Tensor]] = [[] for _ in range(config.num_layers)]

@@ -146,7 +146,7 @@ class ChatCompletionRequest(BaseModel):
     @classmethod
     def _token_ids_and_range(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for token, value in (bias or {}).items():
-            if not token.strip().isdigit():
+            if not (token.isascii() and token.strip().isdigit()):  # "²" and "５" are digits to isdigit
                 raise ValueError(f"keys must be token ids (non-negative integers as strings), got {token!r}")
             if not -100 <= value <= 100:
                 raise ValueError(f"values must be in [-100, 100], got {value} for token {token}")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from cartridges.server.errors import ERROR_TYPES
+
 _FILE_ID = "file-3hQxV0c8mZpL2rYt9KaWn4Ub"
 _BLOCK_ID = "alice/handbook/k3v9x2m1q8ab"
 _MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -114,28 +116,23 @@ RESPONSES: dict[tuple[str, str], dict[str, Any]] = {
                                                 "status=\"200\"} 12.0\n"}},
 }
 
-# One error example per status: what a client most often meets there.
-ERRORS: dict[int, dict[str, Any]] = {
-    400: {"message": "Invalid value for 'temperature': Input should be less than or equal to 2.",
-          "type": "invalid_request_error", "param": "temperature", "code": "invalid_value"},
-    401: {"message": "Incorrect API key provided.", "type": "authentication_error", "param": None,
-          "code": "invalid_api_key"},
-    404: {"message": "No cartridge 'alice/handbook/k3v9x2m1q8zz'.", "type": "invalid_request_error",
-          "param": "model", "code": "model_not_found"},
-    405: {"message": "Method not allowed.", "type": "invalid_request_error", "param": None,
-          "code": "method_not_allowed"},
-    409: {"message": "Cartridge 'alice/handbook/k3v9x2m1q8ab' is not trained yet (status: running).",
-          "type": "invalid_request_error", "param": "model", "code": "cartridge_not_ready"},
-    413: {"message": "File too large: the limit is 536870912 bytes.", "type": "invalid_request_error",
-          "param": "file", "code": "file_too_large"},
-    416: {"message": "The requested range is outside the file (48213 bytes).", "type": "invalid_request_error",
-          "param": None, "code": "range_not_satisfiable"},
-    429: {"message": "The server has too many requests waiting; retry shortly.", "type": "rate_limit_error",
-          "param": None, "code": "rate_limited"},
-    500: {"message": "Internal server error.", "type": "server_error", "param": None, "code": "internal_error"},
-    503: {"message": "The model is still loading; retry in a few seconds.", "type": "server_error", "param": None,
-          "code": "unavailable"},
+# One error example per status: what a client most often meets there (message, param, code);
+# the type follows from the status, as in every error answer.
+_ERRORS: dict[int, tuple[str, str | None, str]] = {
+    400: ("Invalid value for 'temperature': Input should be less than or equal to 2.", "temperature", "invalid_value"),
+    401: ("Incorrect API key provided.", None, "invalid_api_key"),
+    404: ("No cartridge 'alice/handbook/k3v9x2m1q8zz'.", "model", "model_not_found"),
+    405: ("Method not allowed.", None, "method_not_allowed"),
+    409: ("Cartridge 'alice/handbook/k3v9x2m1q8ab' is not trained yet (status: running).", "model",
+          "cartridge_not_ready"),
+    413: ("File too large: the limit is 536870912 bytes.", "file", "file_too_large"),
+    416: ("The requested range is outside the file (48213 bytes).", None, "range_not_satisfiable"),
+    429: ("The server has too many requests waiting; retry shortly.", None, "rate_limited"),
+    500: ("Internal server error.", None, "internal_error"),
+    503: ("The model is still loading; retry in a few seconds.", None, "unavailable"),
 }
+ERRORS = {status: {"message": message, "type": ERROR_TYPES[status], "param": param, "code": code}
+          for status, (message, param, code) in _ERRORS.items()}
 
 
 def add_examples(schema: dict[str, Any]) -> dict[str, Any]:
