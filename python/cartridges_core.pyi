@@ -7,7 +7,7 @@ import datetime
 import torch
 import typing
 import typing_extensions
-__all__: list[str] = ['Adam', 'ApiKeyInfo', 'BlobWriter', 'CacheFullError', 'CancelToken', 'CartridgeCache', 'CartridgeCacheStats', 'CartridgeParams', 'Composition', 'ConflictError', 'ContextLengthError', 'CorruptError', 'DatablockPage', 'DatablockRecord', 'Engine', 'EngineBusyError', 'EngineOptions', 'EngineStats', 'EngineStoppedError', 'Event', 'FilePage', 'FileRecord', 'KVCache', 'KVPrefix', 'LlamaConfig', 'LlamaModel', 'NotFoundError', 'Owner', 'Priority', 'Sampler', 'SamplingParams', 'Store', 'StoreError', 'TrainOptions', 'TrainProgress', 'TrainResult', 'TrainingData', 'User', 'apply_logit_bias', 'channel_lr_scales', 'distillation_loss_sum', 'filter_top_k', 'filter_top_p', 'layer_lr_scales', 'length_groups', 'tokens_in_front', 'train_cartridge', 'training_order']
+__all__: list[str] = ['Adam', 'ApiKeyInfo', 'BlobWriter', 'CacheFullError', 'CancelToken', 'CartridgeCache', 'CartridgeCacheStats', 'CartridgeParams', 'Composition', 'ConflictError', 'ContextLengthError', 'CorruptError', 'DatablockPage', 'DatablockRecord', 'Engine', 'EngineBusyError', 'EngineOptions', 'EngineStats', 'EngineStoppedError', 'Event', 'FilePage', 'FileRecord', 'KVCache', 'KVPrefix', 'LlamaConfig', 'LlamaModel', 'NotFoundError', 'Owner', 'Priority', 'Sampler', 'SamplingParams', 'Store', 'StoreError', 'TrainOptions', 'TrainProgress', 'TrainResult', 'TrainingData', 'User', 'apply_logit_bias', 'channel_lr_scales', 'dequantize_weight', 'distillation_loss_sum', 'filter_top_k', 'filter_top_p', 'layer_lr_scales', 'length_groups', 'tokens_in_front', 'train_cartridge', 'training_order']
 class Adam:
     def __init__(self, params: collections.abc.Sequence[torch.Tensor], lr: typing.SupportsFloat | typing.SupportsIndex = 0.02, beta1: typing.SupportsFloat | typing.SupportsIndex = 0.9, beta2: typing.SupportsFloat | typing.SupportsIndex = 0.999, eps: typing.SupportsFloat | typing.SupportsIndex = 1e-08, anchor: typing.SupportsFloat | typing.SupportsIndex = 0.0, lr_scales: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] = [], channel_scales: collections.abc.Sequence[torch.Tensor] = []) -> None:
         ...
@@ -961,6 +961,10 @@ def apply_logit_bias(logits: torch.Tensor, bias: collections.abc.Mapping[typing.
 def channel_lr_scales(params: CartridgeParams) -> list[torch.Tensor]:
     """
     Per parameter of params.parameters(): a [H_kv, 1, D] tensor, each channel's RMS over the trainable tokens over the RMS of all keys (or values).
+    """
+def dequantize_weight(format: str, data: torch.Tensor, in_features: typing.SupportsInt | typing.SupportsIndex) -> torch.Tensor:
+    """
+    float32 [rows, in_features] of a GGUF block-quantized matrix (format 'Q4_0', 'Q4_1' or 'Q8_0', data uint8 [rows, row bytes]), decoded on all threads: the values the CPU kernel multiplies by.
     """
 def distillation_loss_sum(model: LlamaModel, params: CartridgeParams, data: TrainingData, rows: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], companion: KVPrefix = None, companion_every: typing.SupportsInt | typing.SupportsIndex = 0) -> tuple[torch.Tensor, int]:
     """

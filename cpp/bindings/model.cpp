@@ -146,6 +146,16 @@ void bind_llama_model(py::module_& m) {
 void bind_model(py::module_& m) {
   bind_config_and_prefixes(m);
   bind_llama_model(m);
+  m.def(
+      "dequantize_weight",
+      [](const std::string& format, const at::Tensor& data, int64_t in_features) {
+        QuantizedWeight weight{format, data};
+        py::gil_scoped_release release;
+        return dequantize_weight(weight, in_features);
+      },
+      py::arg("format"), py::arg("data"), py::arg("in_features"),
+      "float32 [rows, in_features] of a GGUF block-quantized matrix (format 'Q4_0', 'Q4_1' or 'Q8_0', data "
+      "uint8 [rows, row bytes]), decoded on all threads: the values the CPU kernel multiplies by.");
 }
 
 }  // namespace cartridges::bindings

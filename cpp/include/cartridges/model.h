@@ -48,6 +48,10 @@ struct QuantizedWeight {
 
 struct QuantizedMatrix;
 
+// The float32 matrix [out_features, in_features] a QuantizedWeight stands for, decoded on all
+// threads: exactly the values the CPU kernel multiplies by with float32 activations.
+at::Tensor dequantize_weight(const QuantizedWeight& weight, int64_t in_features);
+
 // The serving engine's KV pool and packed steps (cartridges/kv_pool.h).
 struct KVPool;
 struct PackedBatch;

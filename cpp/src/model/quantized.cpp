@@ -2,6 +2,8 @@
 // the scalar code it must equal (the tests compare them), for both arithmetics and three formats.
 #include "model/quantized.h"
 
+#include "cartridges/model.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <immintrin.h>
@@ -501,12 +503,25 @@ at::Tensor dequantize(const QuantizedMatrix& w) {
   auto result = at::empty({out, w.in_features}, at::kFloat);
   float* rp = result.data_ptr<float>();
   const uint8_t* wp = w.data.data_ptr<uint8_t>();
-  for (int64_t n = 0; n < out; ++n) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      dequantize_block(w.format, wp + n * w.data.size(1) + b * bb, rp + n * w.in_features + b * kBlock);
+  at::parallel_for(0, out, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        dequantize_block(w.format, wp + n * w.data.size(1) + b * bb, rp + n * w.in_features + b * kBlock);
+      }
     }
-  }
+  });
   return result;
+}
+
+at::Tensor dequantize_weight(const QuantizedWeight& weight, int64_t in_features) {
+  const BlockFormat format = parse_block_format(weight.format);
+  TORCH_CHECK(weight.data.dim() == 2 && weight.data.scalar_type() == at::kByte && weight.data.device().is_cpu(),
+              "quantized weight data must be uint8 [rows, row bytes] on the CPU");
+  TORCH_CHECK(in_features > 0 && in_features % kBlock == 0, "in_features must be a positive multiple of ", kBlock);
+  TORCH_CHECK(weight.data.size(1) == in_features / kBlock * block_bytes(format), "a ", weight.format, " row of ",
+              in_features, " weights takes ", in_features / kBlock * block_bytes(format), " bytes, not ",
+              weight.data.size(1));
+  return dequantize(QuantizedMatrix{format, weight.data.contiguous(), in_features});
 }
 
 }  // namespace cartridges

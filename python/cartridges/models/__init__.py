@@ -1,5 +1,6 @@
 """Model loading: Hugging Face directories and GGUF files → config, float32 weights under
-Hugging Face names, and a chat tokenizer. Pure Python; the C++ core takes it from here."""
+Hugging Face names, and a chat tokenizer. Python, with the core decoding GGUF's quantized
+blocks; the C++ model takes it from here."""
 
 from __future__ import annotations
 

@@ -11,11 +11,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from ..store import core
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .gguf_file import GGUFFormatError, GGUFTensor, read_gguf
 from .gguf_tokenizer import build_gguf_tokenizer
 from .loaded import LoadedModel, check_tensors, merge_ids
 
@@ -63,16 +65,16 @@ def load_gguf(path: str | os.PathLike[str]) -> LoadedModel:
     if not path.is_file():
         raise ModelLoadError(path, "file not found")
     try:
-        reader = GGUFReader(path)
-    except Exception as e:  # numpy/struct errors on a short or damaged file
-        raise ModelLoadError(path, f"corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
-    meta = _metadata(reader, path)
+        gguf_file = read_gguf(path)
+    except (GGUFFormatError, OSError) as e:
+        raise ModelLoadError(path, f"corrupt or truncated GGUF file ({e})") from e
+    meta = gguf_file.metadata
     arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise ModelLoadError(path, f"unsupported architecture '{arch}'")
 
     tokenizer = build_gguf_tokenizer(meta, path)
-    by_name = {t.name: t for t in reader.tensors}
+    by_name = {t.name: t for t in gguf_file.tensors}
     config = _config(meta, arch, by_name, len(meta["tokenizer.ggml.tokens"]), path)
     config.eos_token_ids = merge_ids(config.eos_token_ids, tokenizer.eos_token_ids)
 
@@ -84,24 +86,17 @@ def load_gguf(path: str | os.PathLike[str]) -> LoadedModel:
         hf_name = _hf_name(name)
         if hf_name is None:
             raise ModelLoadError(path, f"unexpected tensor '{name}'")
-        tensor = _dequantize(t, path)
         blocks = _raw_blocks(t)
+        tensor = _dequantize(t, blocks, path)
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
             tensor = _unpermute(tensor, heads)
             blocks = None if blocks is None else _unpermute(blocks, heads)  # the same row order
         tensors[hf_name] = tensor
-        if blocks is not None and tensor.dim() == 2 and tuple(blocks.shape[:1]) == tuple(tensor.shape[:1]):
+        if blocks is not None:
             quantized[hf_name] = (t.tensor_type.name, blocks)
     check_tensors(config, tensors, path)
     return LoadedModel(config=config, tensors=tensors, tokenizer=tokenizer, source=path, quantized=quantized)
-
-
-def _metadata(reader: GGUFReader, path: Path) -> dict[str, Any]:
-    try:
-        return {key: field.contents() for key, field in reader.fields.items()}
-    except Exception as e:
-        raise ModelLoadError(path, f"corrupt GGUF metadata ({type(e).__name__}: {e})") from e
 
 
 def _hf_name(name: str) -> str | None:
@@ -113,27 +108,28 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
-def _dequantize(t: Any, path: Path) -> torch.Tensor:
+def _dequantize(t: GGUFTensor, blocks: torch.Tensor | None, path: Path) -> torch.Tensor:
+    """float32 [rows, columns] (numpy order, the reverse of GGUF's ne[]) of a tensor of the
+    supported types; block formats decoded by the core, on all threads."""
     if t.tensor_type not in SUPPORTED_TYPES:
         raise ModelLoadError(path, f"unsupported quantization type {t.tensor_type.name} for tensor {t.name}")
     try:
-        # Shape comes out in numpy order ([out, in]), the reverse of GGUF's ne[] order.
-        array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if blocks is not None:
+            return core().dequantize_weight(t.tensor_type.name, blocks, t.shape[-1])
+        array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(t.shape)
     except Exception as e:
         raise ModelLoadError(path, f"cannot dequantize tensor {t.name} ({e})") from e
-    # F32 data is a read-only view of the memory-mapped file: copy it out.
-    if not array.flags.writeable or isinstance(array, np.memmap):
-        array = np.array(array, copy=True)
-    return torch.from_numpy(np.ascontiguousarray(array))
+    # The array may be a read-only view of the memory-mapped file: copy it out.
+    return torch.from_numpy(np.array(array, dtype=np.float32, copy=True, order="C"))
 
 
 # Block formats the engine's CPU kernel reads directly.
 _BLOCK_FORMATS = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
 
 
-def _raw_blocks(t: Any) -> torch.Tensor | None:
-    """The tensor's quantized bytes as uint8 [rows, row bytes], for the formats we decode from."""
-    if t.tensor_type not in _BLOCK_FORMATS or len(t.data.shape) != 2:
+def _raw_blocks(t: GGUFTensor) -> torch.Tensor | None:
+    """A matrix's quantized bytes as uint8 [rows, row bytes], for the formats the core decodes."""
+    if t.tensor_type not in _BLOCK_FORMATS or len(t.shape) != 2:
         return None
     return torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
 
@@ -190,7 +186,7 @@ def _config(meta: dict[str, Any], arch: str, tensors: dict[str, Any], vocab_size
         bos_token_id=None if bos is None else int(bos),
     )
     if _ROPE_FREQS in tensors:
-        _llama3_rope_from_freqs(config, _dequantize(tensors[_ROPE_FREQS], path), path)
+        _llama3_rope_from_freqs(config, _dequantize(tensors[_ROPE_FREQS], None, path), path)
     return config
 
 
