@@ -107,11 +107,16 @@ class CartridgeParams:
     def __init__(self, prefix: KVPrefix, num_frozen: typing.SupportsInt | typing.SupportsIndex = 1) -> None:
         ...
     @typing.overload
-    def __init__(self, frozen_keys: collections.abc.Sequence[torch.Tensor], frozen_values: collections.abc.Sequence[torch.Tensor], trainable_keys: collections.abc.Sequence[torch.Tensor], trainable_values: collections.abc.Sequence[torch.Tensor]) -> None:
+    def __init__(self, frozen_keys: collections.abc.Sequence[torch.Tensor], frozen_values: collections.abc.Sequence[torch.Tensor], trainable_keys: collections.abc.Sequence[torch.Tensor], trainable_values: collections.abc.Sequence[torch.Tensor], biases: collections.abc.Sequence[torch.Tensor] | None = None) -> None:
         ...
     def to_prefix(self, dtype: str = 'float32', device: str = 'cpu') -> KVPrefix:
         """
         A detached serving copy as a KVPrefix.
+        """
+    @property
+    def biases(self) -> list[torch.Tensor] | None:
+        """
+        Per-layer attention biases [H_kv, P] (fixed, not trained), or None.
         """
     @property
     def frozen_keys(self) -> list[torch.Tensor]:
@@ -452,10 +457,15 @@ class KVCache:
         ...
 class KVPrefix:
     """
-    Per-layer keys/values [H_kv, P, D]; keys after RoPE at 0..P-1.
+    Per-layer keys/values [H_kv, P, D], keys after RoPE at 0..P-1; optionally per-layer float32 attention biases [H_kv, P] added to the logits of every query on these keys.
     """
-    def __init__(self, keys: collections.abc.Sequence[torch.Tensor], values: collections.abc.Sequence[torch.Tensor]) -> None:
+    def __init__(self, keys: collections.abc.Sequence[torch.Tensor], values: collections.abc.Sequence[torch.Tensor], biases: collections.abc.Sequence[torch.Tensor] | None = None) -> None:
         ...
+    @property
+    def biases(self) -> list[torch.Tensor] | None:
+        """
+        Per-layer attention biases [H_kv, P], or None.
+        """
     @property
     def keys(self) -> list[torch.Tensor]:
         ...

@@ -44,20 +44,37 @@ void bind_config_and_prefixes(py::module_& m) {
       .def_readwrite("max_position_embeddings", &LlamaConfig::max_position_embeddings)
       .def("validate", &LlamaConfig::validate);
 
-  py::class_<KVPrefix, std::shared_ptr<KVPrefix>>(m, "KVPrefix",
-                                                  "Per-layer keys/values [H_kv, P, D]; keys after RoPE at 0..P-1.")
-      .def(py::init([](std::vector<at::Tensor> keys, std::vector<at::Tensor> values) {
+  py::class_<KVPrefix, std::shared_ptr<KVPrefix>>(
+      m, "KVPrefix",
+      "Per-layer keys/values [H_kv, P, D], keys after RoPE at 0..P-1; optionally per-layer float32 attention "
+      "biases [H_kv, P] added to the logits of every query on these keys.")
+      .def(py::init([](std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                       std::optional<std::vector<at::Tensor>> biases) {
              TORCH_CHECK(keys.size() == values.size() && !keys.empty(), "KVPrefix: one key and one value per layer");
              for (size_t l = 0; l < keys.size(); ++l) {
                TORCH_CHECK(keys[l].dim() == 3 && keys[l].sizes() == values[l].sizes(),
                            "KVPrefix: layer ", l, " keys/values must both be [H_kv, P, D]");
                TORCH_CHECK(keys[l].size(1) == keys[0].size(1), "KVPrefix: every layer must have the same length");
              }
-             return std::make_shared<KVPrefix>(KVPrefix{std::move(keys), std::move(values)});
+             std::vector<at::Tensor> bias_list = biases.value_or(std::vector<at::Tensor>{});
+             TORCH_CHECK(bias_list.empty() || bias_list.size() == keys.size(), "KVPrefix: one bias per layer");
+             for (size_t l = 0; l < bias_list.size(); ++l) {
+               TORCH_CHECK(bias_list[l].dim() == 2 && bias_list[l].size(0) == keys[l].size(0) &&
+                               bias_list[l].size(1) == keys[l].size(1) && bias_list[l].scalar_type() == at::kFloat,
+                           "KVPrefix: layer ", l, " bias must be float32 [H_kv, P]");
+             }
+             return std::make_shared<KVPrefix>(KVPrefix{std::move(keys), std::move(values), std::move(bias_list)});
            }),
-           py::arg("keys"), py::arg("values"))
+           py::arg("keys"), py::arg("values"), py::arg("biases") = py::none())
       .def_readonly("keys", &KVPrefix::keys)
       .def_readonly("values", &KVPrefix::values)
+      .def_property_readonly(
+          "biases",
+          [](const KVPrefix& p) -> std::optional<std::vector<at::Tensor>> {
+            if (p.biases.empty()) return std::nullopt;
+            return p.biases;
+          },
+          "Per-layer attention biases [H_kv, P], or None.")
       .def_property_readonly("num_tokens", &KVPrefix::num_tokens)
       .def_property_readonly("nbytes", &KVPrefix::nbytes);
 

@@ -16,7 +16,7 @@ void bind_cartridge_params_and_data(py::module_& m) {
                               "Trainable prefix: float32 frozen and trainable keys/values per layer [H_kv, n, D].")
       .def(py::init(&CartridgeParams::from_prefix), py::arg("prefix"), py::arg("num_frozen") = 1)
       .def(py::init([](std::vector<at::Tensor> fk, std::vector<at::Tensor> fv, std::vector<at::Tensor> tk,
-                       std::vector<at::Tensor> tv) {
+                       std::vector<at::Tensor> tv, std::optional<std::vector<at::Tensor>> biases) {
              TORCH_CHECK(!tk.empty() && fk.size() == tk.size() && fv.size() == tk.size() && tv.size() == tk.size(),
                          "CartridgeParams: one frozen and one trainable key/value tensor per layer");
              CartridgeParams p;
@@ -26,13 +26,30 @@ void bind_cartridge_params_and_data(py::module_& m) {
                p.trainable_keys.push_back(tk[l].detach().to(at::kFloat).clone().set_requires_grad(true));
                p.trainable_values.push_back(tv[l].detach().to(at::kFloat).clone().set_requires_grad(true));
              }
+             for (const auto& b : biases.value_or(std::vector<at::Tensor>{})) {
+               p.biases.push_back(b.detach().to(at::kFloat).contiguous());
+             }
+             TORCH_CHECK(p.biases.empty() || p.biases.size() == tk.size(), "CartridgeParams: one bias per layer");
+             for (size_t l = 0; l < p.biases.size(); ++l) {
+               TORCH_CHECK(p.biases[l].dim() == 2 && p.biases[l].size(0) == tk[l].size(0) &&
+                               p.biases[l].size(1) == fk[l].size(1) + tk[l].size(1),
+                           "CartridgeParams: layer ", l, " bias must be [H_kv, P]");
+             }
              return p;
            }),
-           py::arg("frozen_keys"), py::arg("frozen_values"), py::arg("trainable_keys"), py::arg("trainable_values"))
+           py::arg("frozen_keys"), py::arg("frozen_values"), py::arg("trainable_keys"), py::arg("trainable_values"),
+           py::arg("biases") = py::none())
       .def_readonly("frozen_keys", &CartridgeParams::frozen_keys)
       .def_readonly("frozen_values", &CartridgeParams::frozen_values)
       .def_readonly("trainable_keys", &CartridgeParams::trainable_keys)
       .def_readonly("trainable_values", &CartridgeParams::trainable_values)
+      .def_property_readonly(
+          "biases",
+          [](const CartridgeParams& p) -> std::optional<std::vector<at::Tensor>> {
+            if (p.biases.empty()) return std::nullopt;
+            return p.biases;
+          },
+          "Per-layer attention biases [H_kv, P] (fixed, not trained), or None.")
       .def_property_readonly("num_tokens", &CartridgeParams::num_tokens)
       .def_property_readonly("num_frozen", &CartridgeParams::num_frozen)
       .def(

@@ -208,7 +208,14 @@ TEST_F(EngineTest, TypedErrors) {
   for (auto& t : empty->values) t = t.narrow(1, 0, 0);
   auto short_one = std::make_shared<KVPrefix>(*good);
   short_one->values.pop_back();
-  for (const PrefixPtr& bad : {PrefixPtr(as_double), PrefixPtr(empty), PrefixPtr(short_one)}) {
+  auto few_biases = std::make_shared<KVPrefix>(*good);  // biases for one layer only
+  few_biases->biases.push_back(at::zeros({config.num_kv_heads, good->num_tokens()}));
+  auto long_biases = std::make_shared<KVPrefix>(*good);  // a bias per token and one more
+  for (size_t l = 0; l < good->keys.size(); ++l) {
+    long_biases->biases.push_back(at::zeros({config.num_kv_heads, good->num_tokens() + 1}));
+  }
+  for (const PrefixPtr& bad : {PrefixPtr(as_double), PrefixPtr(empty), PrefixPtr(short_one), PrefixPtr(few_biases),
+                               PrefixPtr(long_biases)}) {
     EXPECT_THROW(engine.submit(greedy(random_tokens(2), 5, {bad})), c10::Error);
   }
   EXPECT_EQ(engine.stats().waiting + engine.stats().running, 0);

@@ -136,17 +136,20 @@ namespace {
 at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const std::vector<int64_t>& past, const PrefixList& prefixes, int64_t layer) {
   const auto heads = q.size(0), steps = q.size(1), dim = q.size(2), kv_heads = k.size(0);
-  std::vector<at::Tensor> ks, vs;
+  std::vector<at::Tensor> ks, vs, bs;
   for (const auto& p : prefixes) {
     ks.push_back(p->keys[layer]);
     vs.push_back(p->values[layer]);
+    bs.push_back(p->biases.empty() ? at::zeros({kv_heads, p->num_tokens()}) : p->biases[layer]);
   }
   ks.push_back(k);
   vs.push_back(v);
+  bs.push_back(at::zeros({kv_heads, k.size(1)}));
   auto keys = at::cat(ks, 1).repeat_interleave(heads / kv_heads, 0);
   auto values = at::cat(vs, 1).repeat_interleave(heads / kv_heads, 0);
+  auto bias = at::cat(bs, 1).repeat_interleave(heads / kv_heads, 0).unsqueeze(1);  // [H, 1, T]
   const int64_t plen = keys.size(1) - k.size(1);
-  auto scores = at::matmul(q, keys.transpose(1, 2)) / std::sqrt(static_cast<double>(dim));
+  auto scores = at::matmul(q, keys.transpose(1, 2)) / std::sqrt(static_cast<double>(dim)) + bias;
   for (int64_t i = 0; i < steps; ++i) {
     for (int64_t t = 0; t < k.size(1); ++t) {
       if (t > past[0] + i) scores.select(1, i).select(1, plen + t).fill_(-INFINITY);
@@ -155,11 +158,12 @@ at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const a
   return at::matmul(scores.softmax(-1), values);
 }
 
-PrefixPtr random_prefix(int64_t layers, int64_t kv_heads, int64_t len, int64_t dim) {
+PrefixPtr random_prefix(int64_t layers, int64_t kv_heads, int64_t len, int64_t dim, bool biased = false) {
   auto p = std::make_shared<KVPrefix>();
   for (int64_t l = 0; l < layers; ++l) {
     p->keys.push_back(at::randn({kv_heads, len, dim}));
     p->values.push_back(at::randn({kv_heads, len, dim}));
+    if (biased) p->biases.push_back(at::randn({kv_heads, len}) * 2);
   }
   return p;
 }
@@ -184,6 +188,28 @@ TEST(AttentionTest, PrefixAndCausalMaskMatchReference) {
                                                 {past[b]}, per_row[b], 1);
     EXPECT_TRUE(at::allclose(out[b], expected, 1e-5, 1e-5)) << "row " << b;
     EXPECT_TRUE(at::allclose(out[b], expected_trimmed, 1e-5, 1e-5)) << "row " << b;
+  }
+}
+
+// Attention biases on a prefix's keys, on the shared and the per-row paths, beside a prefix
+// without them.
+TEST(AttentionTest, PrefixBiasesMatchReference) {
+  at::manual_seed(4);
+  const int64_t B = 2, H = 4, Hkv = 2, S = 3, D = 8, T = 5;
+  std::vector<int64_t> past = {2, 0};
+  auto q = at::randn({B, H, S, D});
+  auto k = at::randn({B, Hkv, T, D});
+  auto v = at::randn({B, Hkv, T, D});
+  auto biased = random_prefix(2, Hkv, 4, D, /*biased=*/true), plain = random_prefix(2, Hkv, 3, D);
+  auto mask = ops::causal_mask(past, S, T, at::TensorOptions().dtype(at::kFloat));
+  for (bool shared : {true, false}) {
+    std::vector<PrefixList> rows = shared ? std::vector<PrefixList>(B, PrefixList{plain, biased})
+                                          : std::vector<PrefixList>{{biased}, {plain, biased}};
+    auto out = ops::attention(q, k, v, mask, rows, /*layer=*/1, shared);
+    for (int64_t b = 0; b < B; ++b) {
+      auto expected = reference_attention(q[b], k[b], v[b], {past[b]}, rows[b], 1);
+      EXPECT_TRUE(at::allclose(out[b], expected, 1e-5, 1e-5)) << (shared ? "shared" : "per row") << ", row " << b;
+    }
   }
 }
 

@@ -12,10 +12,11 @@ namespace {
 
 constexpr int64_t kHeads = 4, kKvHeads = 2, kDim = 8, kCapacity = 64;
 
-PrefixPtr random_prefix(int64_t tokens) {
+PrefixPtr random_prefix(int64_t tokens, bool biased = false) {
   auto p = std::make_shared<KVPrefix>();
   p->keys.push_back(at::randn({kKvHeads, tokens, kDim}));
   p->values.push_back(at::randn({kKvHeads, tokens, kDim}));
+  if (biased) p->biases.push_back(at::randn({kKvHeads, tokens}) * 2);
   return p;
 }
 
@@ -25,16 +26,19 @@ at::Tensor reference(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   int64_t token = 0;
   for (const auto& s : batch.sequences) {
     for (int64_t j = 0; j < s.num_new; ++j, ++token) {
-      std::vector<at::Tensor> ks, vs;
+      std::vector<at::Tensor> ks, vs, bs;
       for (const auto& p : s.prefixes) {
         ks.push_back(p->keys[0].transpose(0, 1));  // [P, Hkv, D]
         vs.push_back(p->values[0].transpose(0, 1));
+        bs.push_back(p->biases.empty() ? at::zeros({kKvHeads, p->num_tokens()}) : p->biases[0]);
       }
       ks.push_back(keys.narrow(0, s.kv_offset, s.past + j + 1));
       vs.push_back(values.narrow(0, s.kv_offset, s.past + j + 1));
+      bs.push_back(at::zeros({kKvHeads, s.past + j + 1}));
       auto k = at::cat(ks).repeat_interleave(kHeads / kKvHeads, 1).transpose(0, 1);  // [H, T, D]
       auto v = at::cat(vs).repeat_interleave(kHeads / kKvHeads, 1).transpose(0, 1);
-      auto scores = at::matmul(q[token].unsqueeze(1), k.transpose(1, 2)) / std::sqrt(double(kDim));  // [H, 1, T]
+      auto bias = at::cat(bs, 1).repeat_interleave(kHeads / kKvHeads, 0).unsqueeze(1);  // [H, 1, T]
+      auto scores = at::matmul(q[token].unsqueeze(1), k.transpose(1, 2)) / std::sqrt(double(kDim)) + bias;
       out[token] = at::matmul(scores.softmax(-1), v).squeeze(1);
     }
   }
@@ -51,6 +55,27 @@ TEST(PackedAttention, KernelAndGatheredPathsMatchTheReference) {
   // Decode rows with and without prefixes (two share theirs), and a prefill chunk.
   batch.sequences = {{0, 6, 1, {shared}, true},        {10, 11, 1, {}, true}, {30, 2, 1, {shared}, true},
                      {40, 3, 4, {other, shared}, true}, {50, 0, 1, {other}, true}};
+  int64_t tokens = 0;
+  for (const auto& s : batch.sequences) tokens += s.num_new;
+  auto q = at::randn({tokens, kHeads, kDim});
+  auto expected = reference(q, keys, values, batch);
+  for (bool gathered : {false, true}) {
+    auto layout = ops::packed_layout(batch, at::kCPU, gathered);
+    auto got = ops::packed_attention(q, keys, values, batch, layout, 0);
+    EXPECT_TRUE(at::allclose(got, expected, 1e-5, 1e-5)) << (gathered ? "gathered" : "kernel") << " path, max error "
+                                                         << (got - expected).abs().max().item<float>();
+  }
+}
+
+// A prefix's attention biases add to its keys' logits on every path; a prefix without biases
+// beside it is unaffected.
+TEST(PackedAttention, PrefixBiasesMatchTheReference) {
+  at::manual_seed(3);
+  auto keys = at::randn({kCapacity, kKvHeads, kDim}), values = at::randn({kCapacity, kKvHeads, kDim});
+  auto biased = random_prefix(6, /*biased=*/true), plain = random_prefix(3);
+  PackedBatch batch;
+  batch.sequences = {{0, 4, 1, {biased}, true}, {10, 2, 1, {plain, biased}, true}, {20, 3, 3, {biased}, true},
+                     {40, 0, 1, {biased}, true}};
   int64_t tokens = 0;
   for (const auto& s : batch.sequences) tokens += s.num_new;
   auto q = at::randn({tokens, kHeads, kDim});

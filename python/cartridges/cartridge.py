@@ -2,21 +2,26 @@
 
 A cartridge holds, per layer, keys and values `[n_kv_heads, num_tokens, head_dim]` (keys
 after RoPE at positions `0..num_tokens-1`). The first `num_frozen` tokens were not trained.
+A cartridge may also hold per layer float32 attention biases `[n_kv_heads, num_tokens]`
+(`compact_prefix(..., bias=True)` makes them), added to the attention logits on its keys so
+that a few keys carry the attention mass of the many corpus tokens they stand for; they are
+fixed (training does not change them).
 
-File format (safetensors, version 1): tensors `layers.{i}.keys` / `layers.{i}.values`, and
-string metadata:
+File format (safetensors): tensors `layers.{i}.keys` / `layers.{i}.values`, with biases also
+`layers.{i}.bias` (float32 whatever `dtype` says) and then `format_version` 2 (1 without, so
+that files without biases stay readable by every version), and string metadata:
 
 | key               | value                                                     |
 |-------------------|-----------------------------------------------------------|
 | `format`          | `cartridges.cartridge`                                    |
-| `format_version`  | `1`                                                       |
+| `format_version`  | `1`, or `2` when the file holds attention biases          |
 | `fingerprint`     | the base model's fingerprint (empty when unknown)        |
 | `num_tokens`      | prefix length                                             |
 | `num_frozen`      | leading tokens that were not trained                      |
 | `num_layers`, `num_kv_heads`, `head_dim` | the shape                           |
 | `dtype`           | dtype of the stored tensors (`float32`, `bfloat16`, ...)  |
 | `config`          | JSON of the training configuration                        |
-| `checksum`        | `sha256:` + hex digest of every tensor's bytes, in layer order, keys before values |
+| `checksum`        | `sha256:` + hex digest of every tensor's bytes: keys and values in layer order, keys before values, then the biases in layer order |
 | `quality`         | optional: JSON of the quality report (`cartridges.quality.quality_report`) |
 
 `Cartridge.load` checks all of it and raises `CartridgeFileError` on any mismatch. A file
@@ -38,7 +43,8 @@ import torch
 import cartridges_core
 
 FORMAT = "cartridges.cartridge"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # files without attention biases
+FORMAT_VERSION_BIASED = 2  # files with them
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -49,6 +55,10 @@ class CartridgeFileError(ValueError):
         super().__init__(f"{path}: {reason}")
         self.path = Path(path)
         self.reason = reason
+
+
+class UnexportableError(ValueError):
+    """The cartridge holds what the asked-for format cannot (its attention biases)."""
 
 
 def native_model(model: Any) -> cartridges_core.LlamaModel:
@@ -75,6 +85,7 @@ class Cartridge:
     fingerprint: str = ""  # the base model's fingerprint; "" when unknown
     config: dict[str, Any] = field(default_factory=dict)  # how it was trained
     stats: dict[str, Any] = field(default_factory=dict, compare=False)  # from train(): losses, times
+    biases: list[torch.Tensor] | None = None  # per layer float32 [n_kv_heads, num_tokens]: attention biases
     _prefixes: dict[tuple[str, str], cartridges_core.KVPrefix] = field(
         default_factory=dict, repr=False, compare=False
     )
@@ -88,6 +99,11 @@ class Cartridge:
                 raise ValueError(f"every layer's keys and values must be {list(shape)}")
         if not 0 <= self.num_frozen <= shape[1]:
             raise ValueError(f"num_frozen must be in [0, {shape[1]}]")
+        if self.biases is not None:
+            if len(self.biases) != len(self.keys) or any(
+                tuple(b.shape) != shape[:2] or b.dtype != torch.float32 for b in self.biases
+            ):
+                raise ValueError(f"attention biases must be float32 {list(shape[:2])}, one per layer")
 
     def __eq__(self, other: object) -> bool:
         """Same tensors (bit for bit, same dtype), frozen count, fingerprint and config."""
@@ -97,6 +113,8 @@ class Cartridge:
             (self.num_frozen, self.fingerprint, self.config) == (other.num_frozen, other.fingerprint, other.config)
             and len(self.keys) == len(other.keys)
             and all(torch.equal(a, b) for a, b in zip((*self.keys, *self.values), (*other.keys, *other.values)))
+            and (self.biases is None) == (other.biases is None)
+            and all(torch.equal(a, b) for a, b in zip(self.biases or [], other.biases or []))
         )
 
     __hash__ = None  # type: ignore[assignment]
@@ -130,8 +148,8 @@ class Cartridge:
 
     @property
     def nbytes(self) -> int:
-        """KV memory of the cartridge in its own dtype."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """KV memory of the cartridge in its own dtype, with its attention biases."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *(self.biases or [])))
 
     # -- conversions ---------------------------------------------------------------------
     @classmethod
@@ -143,7 +161,8 @@ class Cartridge:
         values = [
             torch.cat([f, t.detach()], 1).clone() for f, t in zip(params.frozen_values, params.trainable_values)
         ]
-        return cls(keys, values, params.num_frozen, fingerprint, dict(config or {}))
+        biases = None if params.biases is None else [b.clone() for b in params.biases]
+        return cls(keys, values, params.num_frozen, fingerprint, dict(config or {}), biases=biases)
 
     def to_params(self) -> cartridges_core.CartridgeParams:
         """A trainable float32 copy (to continue training)."""
@@ -153,6 +172,7 @@ class Cartridge:
             [v[:, :f] for v in self.values],
             [k[:, f:] for k in self.keys],
             [v[:, f:] for v in self.values],
+            self.biases,
         )
 
     def to(self, dtype: torch.dtype) -> Cartridge:
@@ -164,6 +184,7 @@ class Cartridge:
             self.fingerprint,
             dict(self.config),
             {"quality": self.quality} if self.quality is not None else {},
+            biases=None if self.biases is None else [b.clone() for b in self.biases],
         )
 
     def prefix(self, model: Any) -> cartridges_core.KVPrefix:
@@ -176,6 +197,7 @@ class Cartridge:
             self._prefixes[key] = cartridges_core.KVPrefix(
                 [k.to(native.device, dtype).contiguous() for k in self.keys],
                 [v.to(native.device, dtype).contiguous() for v in self.values],
+                None if self.biases is None else [b.to(native.device).contiguous() for b in self.biases],
             )
         return self._prefixes[key]
 
@@ -199,7 +221,7 @@ class Cartridge:
     # -- files ---------------------------------------------------------------------------
     def checksum(self) -> str:
         h = hashlib.sha256()
-        for t in (*self.keys, *self.values):
+        for t in (*self.keys, *self.values, *(self.biases or [])):
             h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return "sha256:" + h.hexdigest()
 
@@ -208,9 +230,11 @@ class Cartridge:
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             tensors[f"layers.{i}.keys"] = k.detach().cpu().contiguous()
             tensors[f"layers.{i}.values"] = v.detach().cpu().contiguous()
+        for i, b in enumerate(self.biases or []):
+            tensors[f"layers.{i}.bias"] = b.detach().cpu().contiguous()
         metadata = {
             "format": FORMAT,
-            "format_version": str(FORMAT_VERSION),
+            "format_version": str(FORMAT_VERSION if self.biases is None else FORMAT_VERSION_BIASED),
             "fingerprint": self.fingerprint,
             "num_tokens": str(self.num_tokens),
             "num_frozen": str(self.num_frozen),
@@ -261,10 +285,12 @@ class Cartridge:
             raise CartridgeFileError(path, f"not a readable safetensors file (truncated or damaged?): {error}") from None
         if meta.get("format") != FORMAT:
             raise CartridgeFileError(path, "not a cartridge file (no 'format: cartridges.cartridge' metadata)")
-        if meta.get("format_version") != str(FORMAT_VERSION):
+        if meta.get("format_version") not in (str(FORMAT_VERSION), str(FORMAT_VERSION_BIASED)):
             raise CartridgeFileError(
-                path, f"format version {meta.get('format_version')!r}; this version reads {FORMAT_VERSION}"
+                path, f"format version {meta.get('format_version')!r}; this version reads "
+                f"{FORMAT_VERSION} and {FORMAT_VERSION_BIASED}"
             )
+        biased = meta["format_version"] == str(FORMAT_VERSION_BIASED)
         try:
             num_layers = int(meta["num_layers"])
             shape = (int(meta["num_kv_heads"]), int(meta["num_tokens"]), int(meta["head_dim"]))
@@ -275,13 +301,16 @@ class Cartridge:
             checksum = meta["checksum"]
         except (KeyError, ValueError) as error:
             raise CartridgeFileError(path, f"bad or missing metadata: {error}") from None
-        expected = {f"layers.{i}.{kind}" for i in range(num_layers) for kind in ("keys", "values")}
+        kinds = ("keys", "values", "bias") if biased else ("keys", "values")
+        expected = {f"layers.{i}.{kind}" for i in range(num_layers) for kind in kinds}
         if names != expected:
-            raise CartridgeFileError(path, f"tensors do not match the metadata's {num_layers} layers")
+            raise CartridgeFileError(path, f"tensors do not match the metadata's {num_layers} layers"
+                                     + (" with attention biases" if biased else ""))
         for name, t in tensors.items():
-            if tuple(t.shape) != shape or t.dtype != dtype:
+            want_shape, want_dtype = (shape[:2], torch.float32) if name.endswith(".bias") else (shape, dtype)
+            if tuple(t.shape) != want_shape or t.dtype != want_dtype:
                 raise CartridgeFileError(
-                    path, f"tensor {name} is {list(t.shape)} {t.dtype}, metadata says {list(shape)} {dtype}"
+                    path, f"tensor {name} is {list(t.shape)} {t.dtype}, metadata says {list(want_shape)} {want_dtype}"
                 )
         cartridge = cls(
             [tensors[f"layers.{i}.keys"] for i in range(num_layers)],
@@ -290,6 +319,7 @@ class Cartridge:
             meta.get("fingerprint", ""),
             config,
             {"quality": quality} if quality is not None else {},
+            biases=[tensors[f"layers.{i}.bias"] for i in range(num_layers)] if biased else None,
         )
         if cartridge.checksum() != checksum:
             raise CartridgeFileError(path, "checksum mismatch: the file is damaged")
@@ -297,10 +327,16 @@ class Cartridge:
             cartridge.check_model(model, path)
         return cartridge
 
+    def _refuse_biases(self, target: str) -> None:
+        if self.biases is not None:
+            raise UnexportableError(f"this cartridge has attention biases, which {target} cannot hold: "
+                                    "use the cartridge file")
+
     # -- the original research code's .pt format -----------------------------------------
     def export_pt(self, path: str | os.PathLike[str]) -> None:
         """Write `{trainable_keys, trainable_values, frozen_keys, frozen_values}`, lists of
         per-layer `[1, n_kv_heads, tokens, head_dim]` tensors, as the research code saves them."""
+        self._refuse_biases("the research .pt format")
         f = self.num_frozen
         torch.save(
             {

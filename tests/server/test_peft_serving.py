@@ -125,3 +125,37 @@ def test_import_refuses_what_does_not_fit(chat_server: LiveServer, imported: dic
     nobody = cli("import", str(imported["dir"]), "--user", "nobody", "--model", str(chat_server.model),
                  "--data-dir", str(chat_server.data_dir))
     assert nobody.returncode == 1 and "no user 'nobody'" in nobody.stderr
+
+
+def test_a_compacted_cartridge_serves_and_downloads_only_as_a_cartridge_file(
+        chat_server: LiveServer, imported: dict, tmp_path: Path) -> None:
+    """A cartridge with attention biases (as compaction makes) is imported, answers chat with
+    its biases (another reply than without them), and downloads as a cartridge file; PEFT and
+    `.pt`, which cannot hold the biases, are refused with a 400 that names the way out."""
+    made = Cartridge.from_peft(imported["dir"])
+    biased = Cartridge(made.keys, made.values, made.num_frozen, made.fingerprint, made.config,
+                       biases=[torch.full(k.shape[:2], 4.0) for k in made.keys])
+    biased.save(tmp_path / "biased.safetensors")
+    key = chat_server.add_user("compactor")
+    done = cli("import", str(tmp_path / "biased.safetensors"), "--user", "compactor", "--name", "compact",
+               "--model", str(chat_server.model), "--data-dir", str(chat_server.data_dir))
+    assert done.returncode == 0, done.stderr
+    block_id = done.stdout.strip()
+    http = chat_server.http(key)
+    for fmt in ("peft", "pt"):
+        refused = http.get(f"/v1/datablocks/{block_id}/content", params={"format": fmt})
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["code"] == "format_unavailable" and error["param"] == "format"
+        assert "attention biases" in error["message"] and "format=safetensors" in error["message"]
+    raw = http.get(f"/v1/datablocks/{block_id}/content")
+    assert raw.status_code == 200
+    (tmp_path / "back.safetensors").write_bytes(raw.content)
+    assert Cartridge.load(tmp_path / "back.safetensors") == biased
+    exported = cli("export", block_id, str(tmp_path / "adapter"), "--data-dir", str(chat_server.data_dir))
+    assert exported.returncode == 1 and "attention biases" in exported.stderr
+
+    client = chat_server.openai(key)
+    with_biases = client.chat.completions.create(model=block_id, messages=MESSAGES, temperature=0, max_tokens=8)
+    without = chat_server.openai(imported["key"]).chat.completions.create(
+        model=imported["id"], messages=MESSAGES, temperature=0, max_tokens=8)
+    assert with_biases.choices[0].message.content != without.choices[0].message.content

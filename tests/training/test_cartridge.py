@@ -109,6 +109,80 @@ def test_pt_import_export_round_trip_is_exact(model, tmp_path):
         assert all(torch.equal(x, y) for x, y in zip(raw[name], again[name]))
 
 
+def biased_like(model, seed: int = 2) -> Cartridge:
+    """A trained-like cartridge with attention biases, as compaction gives."""
+    c = trained_like(model, seed)
+    g = torch.Generator().manual_seed(seed)
+    c.biases = [torch.randn(k.shape[:2], generator=g) for k in c.keys]
+    return c
+
+
+def test_attention_biases_travel_with_the_cartridge(model, tmp_path):
+    cart = biased_like(model)
+    path = tmp_path / "biased.safetensors"
+    cart.save(path)
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata()["format_version"] == "2" and "layers.1.bias" in set(f.keys())
+    loaded = Cartridge.load(path, model)
+    assert loaded == cart and all(torch.equal(a, b) for a, b in zip(loaded.biases, cart.biases))
+    assert loaded != trained_like(model, seed=2)  # the same KV without the biases is another cartridge
+    assert cart.nbytes == trained_like(model, seed=2).nbytes + sum(b.numel() * 4 for b in cart.biases)
+    # bfloat16 KV keeps float32 biases; continued training keeps them as they are
+    half = cart.to(torch.bfloat16)
+    assert half.biases[0].dtype == torch.float32
+    half.save(path)
+    assert Cartridge.load(path, model) == half
+    params = cart.to_params()
+    assert all(torch.equal(a, b) for a, b in zip(params.biases, cart.biases))
+    assert Cartridge.from_params(params, cart.fingerprint, cart.config) == cart
+    prefix = cart.prefix(model)
+    assert all(torch.equal(a, b) for a, b in zip(prefix.biases, cart.biases))
+    # a file without biases stays version 1
+    trained_like(model).save(tmp_path / "plain.safetensors")
+    with safe_open(str(tmp_path / "plain.safetensors"), framework="pt") as f:
+        assert f.metadata()["format_version"] == "1"
+
+
+def test_biases_change_what_the_model_reads_on_every_path(model):
+    """The engine (packed steps) and the forward (training, scoring) add a cartridge's biases
+    alike; a zero bias is no bias, and a large one on every key moves the model's predictions."""
+    from cartridges.cartridge import Cartridge as C
+
+    plain = trained_like(model, seed=3)
+    zero = C(plain.keys, plain.values, 1, plain.fingerprint, plain.config,
+             biases=[torch.zeros(k.shape[:2]) for k in plain.keys])
+    loud = C(plain.keys, plain.values, 1, plain.fingerprint, plain.config,
+             biases=[torch.full(k.shape[:2], 3.0) for k in plain.keys])
+    prompt = model.tokenizer.encode("The lighthouse")
+
+    def last_logits(cart):
+        return model.native.forward(torch.tensor([prompt]), prefixes=[[cart.prefix(model)]])[0, -1]
+
+    assert torch.allclose(last_logits(zero), last_logits(plain), atol=1e-5)
+    assert not torch.allclose(last_logits(loud), last_logits(plain), atol=1e-3)
+    # the engine's decode reads the same numbers as the forward: its logprobs equal the forward's
+    for cart in (plain, loud):
+        out = model.engine.submit(prompt, prefixes=[cart], max_new_tokens=4, stop_token_ids=[], logprobs=1).result()
+        tokens = prompt + out.tokens
+        logits = model.native.forward(torch.tensor([tokens]), prefixes=[[cart.prefix(model)]])[0]
+        expected = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(1, torch.tensor(out.tokens)[:, None])[:, 0]
+        got = torch.tensor([entry.logprob for entry in out.logprobs])
+        assert torch.allclose(got, expected, atol=1e-3), (got, expected)
+
+
+def test_biased_cartridges_refuse_formats_without_biases(model, tmp_path):
+    cart = biased_like(model)
+    from cartridges.cartridge import UnexportableError
+
+    with pytest.raises(UnexportableError, match="attention biases"):
+        cart.export_pt(tmp_path / "c.pt")
+    with pytest.raises(UnexportableError, match="PEFT adapter"):
+        cart.to_peft(tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
+
+
 def test_bad_files_are_refused(model, tmp_path):
     cart = trained_like(model)
     path = tmp_path / "c.safetensors"

@@ -19,6 +19,7 @@ namespace cartridges {
 struct CartridgeParams {
   std::vector<at::Tensor> frozen_keys, frozen_values;        // [H_kv, F, D], no grad
   std::vector<at::Tensor> trainable_keys, trainable_values;  // [H_kv, P - F, D], requires grad
+  std::vector<at::Tensor> biases;  // empty, or the prefix's attention biases [H_kv, P], fixed (not trained)
 
   // Splits `prefix` into frozen and trainable parts (copies, float32). 0 <= num_frozen < P.
   static CartridgeParams from_prefix(const KVPrefix& prefix, int64_t num_frozen);

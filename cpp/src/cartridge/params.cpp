@@ -22,6 +22,7 @@ CartridgeParams CartridgeParams::from_prefix(const KVPrefix& prefix, int64_t num
     split(prefix.keys[l], params.frozen_keys, params.trainable_keys);
     split(prefix.values[l], params.frozen_values, params.trainable_values);
   }
+  for (const auto& bias : prefix.biases) params.biases.push_back(bias.detach().to(at::kFloat).clone());
   return params;
 }
 
@@ -41,6 +42,7 @@ KVPrefix CartridgeParams::to_prefix(at::ScalarType dtype, at::Device device, boo
     prefix.keys.push_back(join(frozen_keys[l], trainable_keys[l]));
     prefix.values.push_back(join(frozen_values[l], trainable_values[l]));
   }
+  for (const auto& bias : biases) prefix.biases.push_back(bias.to(device, at::kFloat).contiguous());
   return prefix;
 }
 

@@ -38,12 +38,23 @@ void check_prefix(const PrefixPtr& prefix, const LlamaConfig& c, const char* who
                     k.size(2) == c.head_dim && v.sizes() == k.sizes(),
                 who, ": a cartridge's KV shape does not match the model (layer ", l, ")");
   }
+  if (prefix->biases.empty()) return;
+  TORCH_CHECK(static_cast<int64_t>(prefix->biases.size()) == c.num_layers, who,
+              ": a cartridge's attention biases must cover each of the model's ", c.num_layers, " layers");
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const auto& b = prefix->biases[l];
+    TORCH_CHECK(b.dim() == 2 && b.size(0) == c.num_kv_heads && b.size(1) == prefix->num_tokens() &&
+                    b.scalar_type() == at::kFloat && b.device() == prefix->keys[l].device(),
+                who, ": a cartridge's attention bias must be float32 [kv heads, tokens] beside its keys (layer ", l,
+                ")");
+  }
 }
 
 int64_t KVPrefix::nbytes() const {
   int64_t total = 0;
   for (const auto& t : keys) total += t.nbytes();
   for (const auto& t : values) total += t.nbytes();
+  for (const auto& t : biases) total += t.nbytes();
   return total;
 }
 

@@ -162,6 +162,27 @@ at::Tensor segment_output(const at::Tensor& probs, const at::Tensor& seg_v) {
   return out.view({kv_heads, batch, rows, seg_v.size(2)}).transpose(0, 1);
 }
 
+// The mask's columns for the prefix segments: 0 (all visible), or where a segment has
+// attention biases, [B, H, S, P] with each key's bias (a KV head's bias for its query heads).
+at::Tensor prefix_mask(const PrefixList& segments, int64_t layer, const at::Tensor& q, const at::Tensor& mask) {
+  const auto batch = q.size(0), heads = q.size(1), steps = q.size(2);
+  bool biased = false;
+  int64_t prefix_len = 0;
+  for (const auto& prefix : segments) {
+    biased = biased || !prefix->biases.empty();
+    prefix_len += prefix->num_tokens();
+  }
+  if (!biased) return at::zeros({batch, 1, steps, prefix_len}, mask.options());
+  std::vector<at::Tensor> columns;
+  for (const auto& prefix : segments) {
+    const auto len = prefix->num_tokens(), kv_heads = prefix->keys[layer].size(0);
+    auto bias = prefix->biases.empty() ? at::zeros({kv_heads, len}, mask.options())
+                                       : prefix->biases[layer].to(mask.scalar_type());
+    columns.push_back(bias.repeat_interleave(heads / kv_heads, 0).view({1, heads, 1, len}));
+  }
+  return at::cat(columns, -1).expand({batch, heads, steps, prefix_len});
+}
+
 // On CPU, ATen's fused attention (blocked, online softmax, GQA without expanding heads) is
 // 3-7x faster than scores materialized as below, and so is its backward (training): the
 // segments are put in front of the row's keys, their mask columns all visible. A segment
@@ -178,7 +199,11 @@ at::Tensor attention_fused_cpu(const at::Tensor& q, const at::Tensor& k, const a
   }
   keys.push_back(k);
   values.push_back(v);
-  auto full_mask = prefix_len == 0 ? mask : at::cat({at::zeros({batch, 1, steps, prefix_len}, mask.options()), mask}, -1);
+  at::Tensor full_mask = mask;
+  if (prefix_len > 0) {
+    auto front = prefix_mask(segments, layer, q, mask);
+    full_mask = at::cat({front, mask.expand({batch, front.size(1), steps, mask.size(-1)})}, -1);
+  }
   return at::scaled_dot_product_attention(q, keys.size() == 1 ? k : at::cat(keys, 2), values.size() == 1 ? v : at::cat(values, 2),
                                           full_mask, /*dropout_p=*/0.0, /*is_causal=*/false, /*scale=*/std::nullopt,
                                           /*enable_gqa=*/true);
@@ -195,7 +220,11 @@ at::Tensor attention_shared(const at::Tensor& q, const at::Tensor& k, const at::
 
   std::vector<at::Tensor> scores;
   scores.reserve(segments.size() + 1);
-  for (const auto& prefix : segments) scores.push_back(segment_scores(qg, prefix->keys[layer]));
+  for (const auto& prefix : segments) {
+    auto part = segment_scores(qg, prefix->keys[layer]);  // [B, H_kv, G*S, P]
+    if (!prefix->biases.empty()) part = part + prefix->biases[layer].to(part.scalar_type()).unsqueeze(1);
+    scores.push_back(part);
+  }
   auto own = at::matmul(qg, k.transpose(-1, -2)).view({batch, kv_heads, groups, steps, total});
   own = (own + mask.unsqueeze(1)).view({batch, kv_heads, groups * steps, total});
   scores.push_back(own);

@@ -156,13 +156,19 @@ void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at:
   TORCH_INTERNAL_ASSERT(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat);
   const int64_t heads = q.size(1), dim = q.size(2), kv = keys.size(1), groups = heads / kv;
   const int64_t rows = static_cast<int64_t>(tokens.size());
-  // A run of keys (and values) of one KV head: `length` vectors of `dim` floats, `stride` apart.
+  // A run of keys (and values) of one KV head: `length` vectors of `dim` floats, `stride` apart,
+  // and the keys' attention biases (none for a sequence's own keys).
   struct Segment {
     const float *k, *v;
     int64_t stride, length;
+    const float* bias;
   };
-  // Prefix tensors [H_kv, P, D] as float32 with contiguous rows (a slice of a prefix is fine).
-  std::vector<std::vector<std::pair<at::Tensor, at::Tensor>>> prefix_kv(rows);
+  // Prefix tensors [H_kv, P, D] as float32 with contiguous rows (a slice of a prefix is fine),
+  // and their biases [H_kv, P] contiguous (undefined without).
+  struct PrefixTensors {
+    at::Tensor k, v, bias;
+  };
+  std::vector<std::vector<PrefixTensors>> prefix_kv(rows);
   for (int64_t i = 0; i < rows; ++i) {
     if (prefixes[i] == nullptr) continue;
     for (const auto& p : *prefixes[i]) {
@@ -171,7 +177,7 @@ void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at:
                   "a cartridge must be float32 for a float32 model on CPU");
       if (k.stride(2) != 1 || k.stride(1) != dim) k = k.contiguous();
       if (v.stride(2) != 1 || v.stride(1) != dim) v = v.contiguous();
-      prefix_kv[i].emplace_back(k, v);
+      prefix_kv[i].push_back({k, v, p->biases.empty() ? at::Tensor() : p->biases[layer].contiguous()});
     }
   }
   const float* qp = q.data_ptr<float>();
@@ -191,12 +197,13 @@ void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at:
       const int64_t i = w / kv, h = w % kv, token = tokens[i];
       segments.clear();
       int64_t total = 0;
-      for (const auto& [k, v] : prefix_kv[i]) {
+      for (const auto& [k, v, bias] : prefix_kv[i]) {
         segments.push_back({k.data_ptr<float>() + h * k.stride(0), v.data_ptr<float>() + h * v.stride(0), dim,
-                            k.size(1)});
+                            k.size(1), bias.defined() ? bias.data_ptr<float>() + h * k.size(1) : nullptr});
         total += k.size(1);
       }
-      segments.push_back({kp + (offsets[i] * kv + h) * dim, vp + (offsets[i] * kv + h) * dim, kv * dim, lengths[i]});
+      segments.push_back(
+          {kp + (offsets[i] * kv + h) * dim, vp + (offsets[i] * kv + h) * dim, kv * dim, lengths[i], nullptr});
       total += lengths[i];
       scores.resize(static_cast<size_t>(total));
       for (int64_t g = 0; g < groups; ++g) {
@@ -206,7 +213,7 @@ void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at:
         int64_t t = 0;
         for (const auto& seg : segments) {
           for (int64_t j = 0; j < seg.length; ++j, ++t) {
-            scores[t] = dot(qh, seg.k + j * seg.stride, dim);
+            scores[t] = dot(qh, seg.k + j * seg.stride, dim) + (seg.bias != nullptr ? seg.bias[j] : 0.f);
             m = std::max(m, scores[t]);
           }
         }
@@ -333,7 +340,9 @@ at::Tensor packed_attention(const at::Tensor& q_in, const at::Tensor& keys, cons
     std::vector<int64_t> lens;
     for (const auto& prefix : prefixes) {
       const auto& k = prefix->keys[layer];
-      scores.push_back(at::matmul(qg.to(k.scalar_type()), k.transpose(-1, -2)).to(at::kFloat));
+      auto part = at::matmul(qg.to(k.scalar_type()), k.transpose(-1, -2)).to(at::kFloat);  // [Hkv, n*G, P]
+      if (!prefix->biases.empty()) part = part + prefix->biases[layer].unsqueeze(1);
+      scores.push_back(part);
       vals.push_back(prefix->values[layer]);
       lens.push_back(prefix->num_tokens());
     }

@@ -51,7 +51,7 @@ def export_format(out: str, requested: str | None) -> str:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from ..cartridge import CartridgeFileError, load_cartridge
+    from ..cartridge import CartridgeFileError, UnexportableError, load_cartridge
 
     base_model = args.base_model
     try:
@@ -68,6 +68,9 @@ def run_export(args: argparse.Namespace) -> int:
         _write(cartridge, args.out, fmt, base_model)
     except (OSError, RuntimeError) as error:  # an unwritable or missing directory (torch.save: RuntimeError)
         print(f"error: cannot write {args.out}: {error}", file=sys.stderr)
+        return 1
+    except UnexportableError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"wrote {args.out} ({fmt}, {cartridge.num_tokens} tokens)", file=sys.stderr)
     return 0

@@ -115,7 +115,7 @@ EXPORT_FORMATS = {
     response_class=FileResponse,
     responses={200: {"description": "The cartridge file, or with `format=peft` a zip of the PEFT adapter "
                      "directory.", "content": {"application/octet-stream": {}, "application/zip": {}}},
-               **error_responses(401, 404, 409, 500)},
+               **error_responses(400, 401, 404, 409, 500)},
 )
 def datablock_content(
     datablock_id: DatablockId,
@@ -127,7 +127,7 @@ def datablock_content(
         "`.pt`.")] = "safetensors",
 ) -> FileResponse:
     """The trained cartridge of the caller's datablock, in the format asked for (docs/formats.md)."""
-    from cartridges.cartridge import Cartridge, CartridgeFileError
+    from cartridges.cartridge import Cartridge, CartridgeFileError, UnexportableError
 
     record = store.get_datablock(user.owner, datablock_id)
     if record.status != "succeeded":
@@ -152,6 +152,9 @@ def datablock_content(
             save_peft_zip(cartridge, scratch, base_model=record.model)
         else:
             cartridge.export_pt(scratch)
+    except UnexportableError as error:
+        os.unlink(scratch)
+        raise APIError(400, f"{error} (format=safetensors).", param="format", code="format_unavailable") from None
     except BaseException:
         os.unlink(scratch)
         raise
