@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,11 @@ std::string dtype_name(at::ScalarType t);
 // Python hands prefixes as mutable shared pointers; the core reads them as const.
 using PyPrefixList = std::vector<std::shared_ptr<KVPrefix>>;
 inline PrefixList to_const(const PyPrefixList& list) { return PrefixList(list.begin(), list.end()); }
+// A prefix's attention biases for Python: None when it has none.
+inline std::optional<std::vector<at::Tensor>> biases_or_none(const std::vector<at::Tensor>& biases) {
+  if (biases.empty()) return std::nullopt;
+  return biases;
+}
 
 void bind_model(py::module_& m);
 void bind_engine(py::module_& m);

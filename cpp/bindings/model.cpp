@@ -69,11 +69,7 @@ void bind_config_and_prefixes(py::module_& m) {
       .def_readonly("keys", &KVPrefix::keys)
       .def_readonly("values", &KVPrefix::values)
       .def_property_readonly(
-          "biases",
-          [](const KVPrefix& p) -> std::optional<std::vector<at::Tensor>> {
-            if (p.biases.empty()) return std::nullopt;
-            return p.biases;
-          },
+          "biases", [](const KVPrefix& p) { return biases_or_none(p.biases); },
           "Per-layer attention biases [H_kv, P], or None.")
       .def_property_readonly("num_tokens", &KVPrefix::num_tokens)
       .def_property_readonly("nbytes", &KVPrefix::nbytes);

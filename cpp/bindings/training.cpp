@@ -44,11 +44,7 @@ void bind_cartridge_params_and_data(py::module_& m) {
       .def_readonly("trainable_keys", &CartridgeParams::trainable_keys)
       .def_readonly("trainable_values", &CartridgeParams::trainable_values)
       .def_property_readonly(
-          "biases",
-          [](const CartridgeParams& p) -> std::optional<std::vector<at::Tensor>> {
-            if (p.biases.empty()) return std::nullopt;
-            return p.biases;
-          },
+          "biases", [](const CartridgeParams& p) { return biases_or_none(p.biases); },
           "Per-layer attention biases [H_kv, P] (fixed, not trained), or None.")
       .def_property_readonly("num_tokens", &CartridgeParams::num_tokens)
       .def_property_readonly("num_frozen", &CartridgeParams::num_frozen)

@@ -45,16 +45,9 @@ at::Tensor reference(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   return out;
 }
 
-}  // namespace
-
-TEST(PackedAttention, KernelAndGatheredPathsMatchTheReference) {
-  at::manual_seed(0);
-  auto keys = at::randn({kCapacity, kKvHeads, kDim}), values = at::randn({kCapacity, kKvHeads, kDim});
-  auto shared = random_prefix(5), other = random_prefix(3);
-  PackedBatch batch;
-  // Decode rows with and without prefixes (two share theirs), and a prefill chunk.
-  batch.sequences = {{0, 6, 1, {shared}, true},        {10, 11, 1, {}, true}, {30, 2, 1, {shared}, true},
-                     {40, 3, 4, {other, shared}, true}, {50, 0, 1, {other}, true}};
+// Random queries for the batch's tokens through the kernel and the gathered paths, each against
+// the reference.
+void expect_paths_match_reference(const at::Tensor& keys, const at::Tensor& values, const PackedBatch& batch) {
   int64_t tokens = 0;
   for (const auto& s : batch.sequences) tokens += s.num_new;
   auto q = at::randn({tokens, kHeads, kDim});
@@ -67,6 +60,19 @@ TEST(PackedAttention, KernelAndGatheredPathsMatchTheReference) {
   }
 }
 
+}  // namespace
+
+TEST(PackedAttention, KernelAndGatheredPathsMatchTheReference) {
+  at::manual_seed(0);
+  auto keys = at::randn({kCapacity, kKvHeads, kDim}), values = at::randn({kCapacity, kKvHeads, kDim});
+  auto shared = random_prefix(5), other = random_prefix(3);
+  PackedBatch batch;
+  // Decode rows with and without prefixes (two share theirs), and a prefill chunk.
+  batch.sequences = {{0, 6, 1, {shared}, true},        {10, 11, 1, {}, true}, {30, 2, 1, {shared}, true},
+                     {40, 3, 4, {other, shared}, true}, {50, 0, 1, {other}, true}};
+  expect_paths_match_reference(keys, values, batch);
+}
+
 // A prefix's attention biases add to its keys' logits on every path; a prefix without biases
 // beside it is unaffected.
 TEST(PackedAttention, PrefixBiasesMatchTheReference) {
@@ -76,14 +82,5 @@ TEST(PackedAttention, PrefixBiasesMatchTheReference) {
   PackedBatch batch;
   batch.sequences = {{0, 4, 1, {biased}, true}, {10, 2, 1, {plain, biased}, true}, {20, 3, 3, {biased}, true},
                      {40, 0, 1, {biased}, true}};
-  int64_t tokens = 0;
-  for (const auto& s : batch.sequences) tokens += s.num_new;
-  auto q = at::randn({tokens, kHeads, kDim});
-  auto expected = reference(q, keys, values, batch);
-  for (bool gathered : {false, true}) {
-    auto layout = ops::packed_layout(batch, at::kCPU, gathered);
-    auto got = ops::packed_attention(q, keys, values, batch, layout, 0);
-    EXPECT_TRUE(at::allclose(got, expected, 1e-5, 1e-5)) << (gathered ? "gathered" : "kernel") << " path, max error "
-                                                         << (got - expected).abs().max().item<float>();
-  }
+  expect_paths_match_reference(keys, values, batch);
 }
