@@ -18,9 +18,12 @@ import asyncio
 import atexit
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
+
+import torch
 
 import cartridges_core as core
 
@@ -38,14 +41,24 @@ DEFAULT_SAMPLING = core.SamplingParams()
 # How several cartridges of one request are composed (cartridges_core.Composition).
 COMPOSITIONS = {"mixture": core.Composition.MIXTURE, "concatenate": core.Composition.CONCATENATE}
 _POLL = timedelta(milliseconds=200)
+# Openings (template and system prompt) cached as prefixes: at least this many tokens to be
+# worth a prefix, at most this many, and at most this many tokens kept in all (the least
+# recently used dropped first; 4,096 tokens of the default model's KV are 188 MB).
+_MIN_OPENING, _MAX_OPENING, _OPENING_TOKENS_KEPT = 16, 1024, 4096
 
 
 class Engine:
     """The serving engine over a `Model`. Options (defaults in `cartridges_core.EngineOptions`):
     kv_tokens (KV pool size in tokens), max_running, prefill_tokens_per_step, max_waiting,
-    cartridge_cache_bytes, num_threads (intra-op threads of the compute thread)."""
+    cartridge_cache_bytes, num_threads (intra-op threads of the compute thread).
 
-    def __init__(self, model: Any, **options: int) -> None:
+    `cache_openings`: a request without cartridges whose prompt opens with the same tokens as
+    earlier ones (the chat template's opening and the system prompt, up to `weigh_from`) reads
+    that opening's KV, computed once, as a prefix in front of the rest of its prompt, instead of
+    prefilling it again: the same numbers (a causal prefix of a prompt is a prefix of it), a
+    fraction of the prefill when many requests share a system prompt."""
+
+    def __init__(self, model: Any, *, cache_openings: bool = True, **options: int) -> None:
         opts = core.EngineOptions()
         for key, value in options.items():
             if value is None:
@@ -57,6 +70,8 @@ class Engine:
         self.native = core.Engine(model.native, opts)
         self._streams: dict[int, Stream] = {}
         self._opening: list[int] | None = None  # see template_opening()
+        self._openings: OrderedDict[tuple[int, ...], core.KVPrefix] | None = OrderedDict() if cache_openings else None
+        self._openings_lock = threading.Lock()
         self._lock = threading.Lock()
         self._dispatcher = threading.Thread(target=self._dispatch, name="cartridges-engine-events", daemon=True)
         self._dispatcher.start()
@@ -130,12 +145,13 @@ class Engine:
         if len(kv) != len(prompts) or len(seeds) != len(prompts) or len(weigh_from) != len(prompts):
             raise ValueError("prefixes, seeds and weigh_from must have one entry per prompt")
         requests = [
-            (list(prompt), row, core.SamplingParams(
+            (*self._split_opening(list(prompt), row, start), core.SamplingParams(
                 temperature=temperature, top_p=top_p, top_k=top_k, seed=-1 if seed is None else seed,
                 max_new_tokens=max_new_tokens, stop_token_ids=stops, logprobs=logprobs,
-                logit_bias=dict(logit_bias or {})), start)
+                logit_bias=dict(logit_bias or {})))
             for prompt, row, seed, start in zip(prompts, kv, seeds, weigh_from)
         ]
+        requests = [(prompt, row, sampling, start) for prompt, row, start, sampling in requests]
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -152,11 +168,30 @@ class Engine:
                 Stream(self, request_id, prompt_tokens=len(prompt), prefix_tokens=sum(p.num_tokens for p in row),
                        decoder=tokenizer.stream_decoder() if hasattr(tokenizer, "stream_decoder") else None,
                        stop_tokens=stops, stop=stop, loop=loop, condition=condition)
-                for request_id, (prompt, row, _, _) in zip(ids, requests)
+                for request_id, prompt, row in zip(ids, prompts, kv)
             ]
             for stream in streams:
                 self._streams[stream.id] = stream
         return streams
+
+    def _split_opening(self, prompt: list[int], cartridges: list[Any],
+                       opening: int) -> tuple[list[int], list[Any], int]:
+        """(prompt, prefixes, weigh_from) as submitted: a request without cartridges whose first
+        `opening` tokens are worth caching reads them as a cached prefix; any other as is."""
+        if (self._openings is None or cartridges or not _MIN_OPENING <= opening <= _MAX_OPENING
+                or opening >= len(prompt)):
+            return prompt, cartridges, opening
+        key = tuple(prompt[:opening])
+        with self._openings_lock:
+            prefix = self._openings.get(key)
+            if prefix is None:
+                prefix = self.model.native.prefix_from_tokens(torch.tensor(key, dtype=torch.long))
+                self._openings[key] = prefix
+                while sum(len(k) for k in self._openings) > _OPENING_TOKENS_KEPT:
+                    self._openings.popitem(last=False)
+            else:
+                self._openings.move_to_end(key)
+        return prompt[opening:], [prefix], 0
 
     def template_opening(self, prompt: Sequence[int]) -> int:
         """How many of `prompt`'s first tokens are the chat template's opening for a conversation

@@ -94,6 +94,31 @@ def test_logprobs_equal_a_full_forward(model, engine):
         assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
 
 
+def test_a_shared_opening_is_prefilled_once_with_the_same_results(model):
+    """Requests without cartridges that open alike (template and system prompt, up to
+    weigh_from) read the opening's KV from a cache: the same tokens and log-probabilities as
+    prefilling it, the usage still counts the whole prompt."""
+    opening = [(7 * i) % 50 + 3 for i in range(20)]
+    prompts = [opening + [5, 6, 7], opening + [9, 1], opening + [2]]
+    cached, plain = Engine(model, kv_tokens=4096), Engine(model, kv_tokens=4096, cache_openings=False)
+    options = dict(max_new_tokens=8, stop_token_ids=[], logprobs=2)
+    try:
+        for prompt in prompts:
+            stream = cached.submit_many([prompt], weigh_from=[len(opening)], **options)[0]
+            got, want = stream.result(), plain.submit_many([prompt], weigh_from=[len(opening)], **options)[0].result()
+            assert got.tokens == want.tokens and stream.prompt_tokens == len(prompt)
+            assert [x.logprob for x in got.logprobs] == pytest.approx([x.logprob for x in want.logprobs], abs=1e-4)
+        assert list(cached._openings) == [tuple(opening)]
+        # too short an opening, or a request with cartridges: prefilled as before
+        cached.submit_many([prompts[0]], weigh_from=[10], **options)[0].result()
+        prefix = model.native.prefix_from_tokens(torch.tensor([4, 5, 6]))
+        cached.submit_many([prompts[1]], prefixes=[[prefix]], weigh_from=[len(opening)], **options)[0].result()
+        assert list(cached._openings) == [tuple(opening)]
+    finally:
+        cached.close()
+        plain.close()
+
+
 def test_n_choices_are_distinct_and_repeatable(model):
     seeds = choice_seeds(42, 3)
     assert len(set(seeds)) == 3 and seeds == choice_seeds(42, 3)
