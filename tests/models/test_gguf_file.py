@@ -162,3 +162,22 @@ def test_core_dequantization_equals_the_reference(kind):
         core().dequantize_weight(kind.name, torch.from_numpy(blocks), 64)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         core().dequantize_weight(kind.name, torch.from_numpy(blocks), 95)
+
+
+def test_damaged_headers_are_format_errors_or_read(every_kind_gguf, tmp_path):
+    """Random byte changes in the header (lengths, counts, types, text): each file is read or
+    refused with GGUFFormatError, never another exception."""
+    import random
+
+    data = every_kind_gguf.read_bytes()
+    rng = random.Random(0)
+    damaged = tmp_path / "damaged.gguf"
+    for _ in range(1500):
+        mutated = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            mutated[rng.randrange(1024)] = rng.choice([rng.randrange(256), 0x00, 0xFF, 0x7F, 0x80])
+        damaged.write_bytes(bytes(mutated))
+        try:
+            read_gguf(damaged)
+        except GGUFFormatError:
+            pass
