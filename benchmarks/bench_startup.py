@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,9 @@ import time
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_files import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "startup.json"
@@ -53,12 +55,6 @@ t6 = time.perf_counter()
 print(json.dumps({"import": t1 - t0, "load_model": t2 - t1, "reference_header": t3 - t2,
                   "reference_dequantize": t4 - t3, "header": t6 - t5}))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def time_load() -> dict[str, float]:

@@ -327,7 +327,9 @@ class Cartridge:
             cartridge.check_model(model, path)
         return cartridge
 
-    def _refuse_biases(self, target: str) -> None:
+    def check_exportable(self, target: str) -> None:
+        """Raise UnexportableError when `target` (a format without attention biases) cannot hold
+        this cartridge."""
         if self.biases is not None:
             raise UnexportableError(f"this cartridge has attention biases, which {target} cannot hold: "
                                     "use the cartridge file")
@@ -336,7 +338,7 @@ class Cartridge:
     def export_pt(self, path: str | os.PathLike[str]) -> None:
         """Write `{trainable_keys, trainable_values, frozen_keys, frozen_values}`, lists of
         per-layer `[1, n_kv_heads, tokens, head_dim]` tensors, as the research code saves them."""
-        self._refuse_biases("the research .pt format")
+        self.check_exportable("the research .pt format")
         f = self.num_frozen
         torch.save(
             {

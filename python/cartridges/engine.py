@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import operator
 import threading
 import weakref
 from collections import OrderedDict
@@ -144,14 +145,14 @@ class Engine:
         weigh_from = list(weigh_from) if weigh_from is not None else [self.template_opening(p) for p in prompts]
         if len(kv) != len(prompts) or len(seeds) != len(prompts) or len(weigh_from) != len(prompts):
             raise ValueError("prefixes, seeds and weigh_from must have one entry per prompt")
-        requests = [
-            (*self._split_opening(list(prompt), row, start), core.SamplingParams(
+        requests = []
+        for prompt, row, seed, start in zip(prompts, kv, seeds, weigh_from):
+            submitted, prefixes_in_front, start = self._split_opening(list(prompt), row, start)
+            sampling = core.SamplingParams(
                 temperature=temperature, top_p=top_p, top_k=top_k, seed=-1 if seed is None else seed,
                 max_new_tokens=max_new_tokens, stop_token_ids=stops, logprobs=logprobs,
-                logit_bias=dict(logit_bias or {})))
-            for prompt, row, seed, start in zip(prompts, kv, seeds, weigh_from)
-        ]
-        requests = [(prompt, row, sampling, start) for prompt, row, start, sampling in requests]
+                logit_bias=dict(logit_bias or {}))
+            requests.append((submitted, prefixes_in_front, sampling, start))
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -177,11 +178,17 @@ class Engine:
     def _split_opening(self, prompt: list[int], cartridges: list[Any],
                        opening: int) -> tuple[list[int], list[Any], int]:
         """(prompt, prefixes, weigh_from) as submitted: a request without cartridges whose first
-        `opening` tokens are worth caching reads them as a cached prefix; any other as is."""
+        `opening` tokens are worth caching reads them as a cached prefix; any other as is (an
+        opening with ids outside the vocabulary too: the engine's submit refuses it clearly)."""
         if (self._openings is None or cartridges or not _MIN_OPENING <= opening <= _MAX_OPENING
                 or opening >= len(prompt)):
             return prompt, cartridges, opening
-        key = tuple(prompt[:opening])
+        try:
+            key = tuple(operator.index(token) for token in prompt[:opening])
+        except TypeError:  # not integers
+            return prompt, cartridges, opening
+        if min(key) < 0 or max(key) >= self.model.native.config.vocab_size:
+            return prompt, cartridges, opening
         with self._openings_lock:
             prefix = self._openings.get(key)
             if prefix is None:

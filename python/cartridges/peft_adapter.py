@@ -36,7 +36,7 @@ def save_peft(cartridge: Cartridge, directory: str | os.PathLike[str], *, base_m
     """Write `cartridge` as a PEFT CARTRIDGE adapter directory (created if needed); returns it.
     `base_model`: the Hugging Face id or path of the base model, recorded as
     `base_model_name_or_path` (PEFT's `AutoPeftModelForCausalLM` loads it from there)."""
-    cartridge._refuse_biases("a PEFT adapter")
+    cartridge.check_exportable("a PEFT adapter")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     heads, tokens, head_dim = cartridge.keys[0].shape

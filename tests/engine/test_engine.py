@@ -114,6 +114,11 @@ def test_a_shared_opening_is_prefilled_once_with_the_same_results(model):
         prefix = model.native.prefix_from_tokens(torch.tensor([4, 5, 6]))
         cached.submit_many([prompts[1]], prefixes=[[prefix]], weigh_from=[len(opening)], **options)[0].result()
         assert list(cached._openings) == [tuple(opening)]
+        # an opening that is not the vocabulary's is refused as before, and not cached
+        for bad in ([VOCAB + 5] + opening[1:], [1.5] + opening[1:]):
+            with pytest.raises((ValueError, TypeError)):
+                cached.submit_many([bad + [5, 6]], weigh_from=[len(opening)], **options)
+        assert list(cached._openings) == [tuple(opening)]
     finally:
         cached.close()
         plain.close()

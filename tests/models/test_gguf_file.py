@@ -115,6 +115,8 @@ def _key(name: str) -> bytes:
     (_header() + _key("a") + struct.pack("<I", 99), "unknown metadata value type 99"),
     (_header() + _key("k") + struct.pack("<IQ", 8, 2) + b"\xff\xfe", "not valid UTF-8"),
     (_header() + _key("general.alignment") + struct.pack("<II", 4, 3), "not a power of two"),
+    # arrays of arrays 100 deep: refused before the reader recurses that far
+    (_header() + _key("a") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 100 + bytes(64), "nested more than"),
 ])
 def test_hostile_headers_are_format_errors(tmp_path, content, reason):
     path = tmp_path / "bad.gguf"

@@ -21,6 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
+_MAX_ARRAY_DEPTH = 8  # arrays of arrays: deeper nesting is refused, not recursed into
 _SCALARS = {
     GGUFValueType.UINT8: np.dtype("<u1"),
     GGUFValueType.INT8: np.dtype("<i1"),
@@ -139,25 +140,27 @@ class _Cursor:
         self.bytes = memoryview(buffer) if buffer.size else memoryview(b"")
         self.position = 0
 
-    def take(self, n: int) -> np.ndarray:
+    def need(self, n: int) -> None:
+        """Raise unless `n` more bytes are left."""
         if n < 0 or self.position + n > self.buffer.size:
             raise GGUFFormatError(f"the file ends at byte {self.buffer.size} inside its header")
+
+    def take(self, n: int) -> np.ndarray:
+        self.need(n)
         view = self.buffer[self.position:self.position + n]
         self.position += n
         return view
 
     def scalar(self, fmt: str) -> Any:
         size = struct.calcsize(fmt)
-        if self.position + size > self.buffer.size:
-            raise GGUFFormatError(f"the file ends at byte {self.buffer.size} inside its header")
+        self.need(size)
         (value,) = struct.unpack_from(fmt, self.bytes, self.position)
         self.position += size
         return value
 
     def string(self) -> str:
         length = self.scalar("<Q")
-        if self.position + length > self.buffer.size:
-            raise GGUFFormatError(f"the file ends at byte {self.buffer.size} inside its header")
+        self.need(length)
         try:
             text = str(self.bytes[self.position:self.position + length], "utf-8")
         except UnicodeDecodeError:
@@ -172,25 +175,25 @@ class _Cursor:
         except ValueError:
             raise GGUFFormatError(f"unknown metadata value type {type_id}") from None
 
-    def value(self, value_type: GGUFValueType) -> Any:
+    def value(self, value_type: GGUFValueType, depth: int = 0) -> Any:
         if value_type == GGUFValueType.STRING:
             return self.string()
         if value_type == GGUFValueType.ARRAY:
-            return self.array()
+            return self.array(depth + 1)
         dtype = _SCALARS[value_type]
         item = self.take(dtype.itemsize).view(dtype)[0].item()
         return bool(item) if value_type == GGUFValueType.BOOL else item
 
-    def array(self) -> list[Any]:
+    def array(self, depth: int) -> list[Any]:
+        if depth > _MAX_ARRAY_DEPTH:
+            raise GGUFFormatError(f"metadata arrays nested more than {_MAX_ARRAY_DEPTH} deep")
         item_type, count = self.value_type(), self.scalar("<Q")
         if item_type in _SCALARS:
             dtype = _SCALARS[item_type]
-            if count > (self.buffer.size - self.position) // dtype.itemsize:
-                raise GGUFFormatError(f"the file ends at byte {self.buffer.size} inside its header")
+            self.need(count * dtype.itemsize)
             items = self.take(count * dtype.itemsize).view(dtype).tolist()
             return [bool(i) for i in items] if item_type == GGUFValueType.BOOL else items
-        if count > self.buffer.size - self.position:  # every item takes at least one byte
-            raise GGUFFormatError(f"the file ends at byte {self.buffer.size} inside its header")
+        self.need(count)  # every item takes at least one byte
         if item_type == GGUFValueType.STRING:
             return [self.string() for _ in range(count)]
-        return [self.value(item_type) for _ in range(count)]
+        return [self.value(item_type, depth) for _ in range(count)]
