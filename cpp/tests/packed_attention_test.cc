@@ -84,3 +84,21 @@ TEST(PackedAttention, PrefixBiasesMatchTheReference) {
                      {40, 0, 1, {biased}, true}};
   expect_paths_match_reference(keys, values, batch);
 }
+
+// One-token rows that each hold their own prefix list (the many-users case) fold their
+// prefixes into the gathered keys, padded to the longest; beside them a row without prefixes,
+// a composed list and a shared one (which stays a group).
+TEST(PackedAttention, DistinctPrefixListsFoldIntoTheGatheredRows) {
+  at::manual_seed(5);
+  auto keys = at::randn({kCapacity, kKvHeads, kDim}), values = at::randn({kCapacity, kKvHeads, kDim});
+  auto a = random_prefix(7), b = random_prefix(2, /*biased=*/true), c = random_prefix(4), shared = random_prefix(3);
+  PackedBatch batch;
+  batch.sequences = {{0, 5, 1, {a}, true},        {8, 0, 1, {b}, true},       {12, 9, 1, {}, true},
+                     {24, 2, 1, {c, a}, true},     {30, 3, 1, {shared}, true}, {36, 1, 1, {shared}, true},
+                     {40, 6, 2, {b, c}, true}};
+  auto layout = ops::packed_layout(batch, at::kCPU, /*gathered=*/true);
+  EXPECT_EQ(layout.decode_folded.size(), 4u);  // a; b; c, a
+  EXPECT_TRUE(layout.decode_folded_biases);
+  EXPECT_EQ(layout.groups.size(), 2u);  // shared (two rows) and the prefill chunk's {b, c}
+  expect_paths_match_reference(keys, values, batch);
+}

@@ -89,20 +89,39 @@ PartialAttention prefill_part(const at::Tensor& q_seq, const at::Tensor& keys, c
           heads_last(part.l.unsqueeze(-1), n, groups).squeeze(-1)};
 }
 
-// Own-KV attention of one-token sequences on any device: their ranges gathered, padded.
+// Attention of the one-token rows on the gathered path (any device): each row's own range of
+// pool slots and the prefixes folded into it, gathered and padded into [R, L] keys, in one
+// batch of matrix products whatever the number of distinct cartridges.
 PartialAttention decode_part_gathered(const at::Tensor& q_rows, const at::Tensor& keys, const at::Tensor& values,
-                                      const PackedLayout& layout) {
-  const int64_t rows = q_rows.size(0), kv = keys.size(1), groups = q_rows.size(1) / kv;
-  const int64_t longest = layout.decode_valid.size(1);
-  auto k = keys.index_select(0, layout.decode_slots).view({rows, longest, kv, -1}).permute({0, 2, 3, 1});  // [R,Hkv,D,L]
-  auto v = values.index_select(0, layout.decode_slots).view({rows, longest, kv, -1}).transpose(1, 2);     // [R,Hkv,L,D]
-  auto q = q_rows.view({rows, kv, groups, -1}).to(keys.scalar_type());
-  auto scores = at::matmul(q, k).to(at::kFloat);  // [R, Hkv, G, L]
-  scores = scores.masked_fill(layout.decode_valid.logical_not().view({rows, 1, 1, longest}), kNegInf);
+                                      const PackedLayout& layout, int64_t layer) {
+  const int64_t rows = q_rows.size(0), kv = keys.size(1), dim = keys.size(2), groups = q_rows.size(1) / kv;
+  auto gather = [&](const at::Tensor& source, const at::Tensor& slots) {  // source [T, Hkv, D]
+    return source.index_select(0, slots).view({rows, -1, kv, dim});     // [R, L, Hkv, D]
+  };
+  auto k = gather(keys, layout.decode_slots), v = gather(values, layout.decode_slots);
+  at::Tensor bias;  // [R, Hkv, 1, longest_prefix]
+  if (layout.decode_prefix_slots.defined()) {
+    std::vector<at::Tensor> pk, pv, pb;
+    for (const auto* p : layout.decode_folded) {
+      pk.push_back(p->keys[layer].transpose(0, 1));  // [P, Hkv, D]
+      pv.push_back(p->values[layer].transpose(0, 1));
+      if (layout.decode_folded_biases) {
+        pb.push_back(p->biases.empty() ? at::zeros({p->num_tokens(), kv}, q_rows.options().dtype(at::kFloat))
+                                       : p->biases[layer].transpose(0, 1));  // [P, Hkv]
+      }
+    }
+    const auto& slots = layout.decode_prefix_slots;
+    k = at::cat({gather(at::cat(pk).to(keys.scalar_type()), slots), k}, 1);
+    v = at::cat({gather(at::cat(pv).to(values.scalar_type()), slots), v}, 1);
+    if (!pb.empty()) bias = at::cat(pb).index_select(0, slots).view({rows, -1, kv}).permute({0, 2, 1}).unsqueeze(2);
+  }
+  auto q = q_rows.view({rows, kv, groups, dim}).to(keys.scalar_type());
+  auto scores = at::matmul(q, k.permute({0, 2, 3, 1})).to(at::kFloat) + layout.decode_mask;  // [R, Hkv, G, L]
+  if (bias.defined()) scores.narrow(-1, 0, bias.size(-1)).add_(bias);
   auto m = std::get<0>(scores.max(-1));
   auto e = at::exp(scores - m.unsqueeze(-1));
-  auto o = at::matmul(e.to(v.scalar_type()), v).to(at::kFloat);  // [R, Hkv, G, D]
-  return {o.reshape({rows, kv * groups, -1}), m.reshape({rows, kv * groups}), e.sum(-1).reshape({rows, kv * groups})};
+  auto o = at::matmul(e.to(v.scalar_type()), v.transpose(1, 2)).to(at::kFloat);  // [R, Hkv, G, D]
+  return {o.reshape({rows, kv * groups, dim}), m.reshape({rows, kv * groups}), e.sum(-1).reshape({rows, kv * groups})};
 }
 
 // ---- CPU float32 kernel for one-token sequences -------------------------------------------
@@ -235,20 +254,85 @@ void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at:
   });
 }
 
+namespace {
+
+using PrefixKey = std::vector<const KVPrefix*>;
+
+PrefixKey prefix_key(const PrefixList& list) {
+  PrefixKey key;
+  for (const auto& p : list) key.push_back(p.get());
+  return key;
+}
+
+// The gathered path's indices for the one-token rows (layout.decode_* filled by the caller):
+// own slots, folded prefixes' slots and the additive mask over both.
+void gather_decode_rows(const PackedBatch& batch, const std::vector<bool>& folds, at::Device device,
+                        PackedLayout& layout) {
+  const int64_t rows = static_cast<int64_t>(layout.decode_lengths.size());
+  std::vector<int64_t> prefix_start(rows, 0), prefix_len(rows, 0);
+  int64_t flat = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = layout.decode_sequences[r];
+    if (!folds[i]) continue;
+    prefix_start[r] = flat;
+    for (const auto& p : batch.sequences[i].prefixes) {
+      layout.decode_folded.push_back(p.get());
+      layout.decode_folded_biases = layout.decode_folded_biases || !p->biases.empty();
+      prefix_len[r] += p->num_tokens();
+    }
+    flat += prefix_len[r];
+  }
+  const int64_t longest = *std::max_element(layout.decode_lengths.begin(), layout.decode_lengths.end());
+  const int64_t longest_prefix = *std::max_element(prefix_len.begin(), prefix_len.end());
+  auto slots = at::empty({rows, longest}, at::kLong);
+  auto prefix_slots = at::zeros({rows, longest_prefix}, at::kLong);  // padding reads token 0, masked
+  auto mask = at::zeros({rows, longest_prefix + longest}, at::kFloat);
+  auto sp = slots.accessor<int64_t, 2>();
+  auto pp = prefix_slots.accessor<int64_t, 2>();
+  auto mp = mask.accessor<float, 2>();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t t = 0; t < longest_prefix; ++t) {
+      if (t < prefix_len[r]) pp[r][t] = prefix_start[r] + t;
+      else mp[r][t] = kNegInf;
+    }
+    const int64_t len = layout.decode_lengths[r];
+    for (int64_t t = 0; t < longest; ++t) {
+      sp[r][t] = layout.decode_offsets[r] + std::min(t, len - 1);
+      if (t >= len) mp[r][longest_prefix + t] = kNegInf;
+    }
+  }
+  layout.decode_tokens = at::tensor(layout.decode_token_list, at::kLong).to(device);
+  layout.decode_slots = slots.flatten().to(device);
+  if (longest_prefix > 0) layout.decode_prefix_slots = prefix_slots.flatten().to(device);
+  layout.decode_mask = mask.view({rows, 1, 1, -1}).to(device);
+}
+
+}  // namespace
+
 PackedLayout packed_layout(const PackedBatch& batch, at::Device device, bool gathered) {
   PackedLayout layout;
-  std::map<std::vector<const KVPrefix*>, size_t> group_of;
+  const size_t n = batch.sequences.size();
+  // On the gathered path a one-token row whose prefix list no other sequence holds folds it.
+  std::vector<bool> folds(n, false);
+  if (gathered) {
+    std::map<PrefixKey, int64_t> uses;
+    for (const auto& s : batch.sequences) {
+      if (!s.prefixes.empty()) ++uses[prefix_key(s.prefixes)];
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const auto& s = batch.sequences[i];
+      folds[i] = s.num_new == 1 && !s.prefixes.empty() && uses[prefix_key(s.prefixes)] == 1;
+    }
+  }
+  std::map<PrefixKey, size_t> group_of;
   std::vector<std::vector<int64_t>> group_token_lists;
-  std::vector<int64_t> decode_tokens;
   int64_t start = 0;
-  for (size_t i = 0; i < batch.sequences.size(); ++i) {
+  for (size_t i = 0; i < n; ++i) {
     const auto& s = batch.sequences[i];
     layout.token_start.push_back(start);
     if (s.num_new == 1) layout.decode_sequences.push_back(static_cast<int64_t>(i));
-    if (!s.prefixes.empty() && (gathered || s.num_new > 1)) {
-      std::vector<const KVPrefix*> key;
-      for (const auto& p : s.prefixes) key.push_back(p.get());
-      auto [it, added] = group_of.emplace(key, layout.groups.size());
+    if (!s.prefixes.empty() && !folds[i] && (gathered || s.num_new > 1)) {
+      auto [it, added] = group_of.emplace(prefix_key(s.prefixes), layout.groups.size());
       if (added) {
         layout.groups.emplace_back();
         group_token_lists.emplace_back();
@@ -267,31 +351,13 @@ PackedLayout packed_layout(const PackedBatch& batch, at::Device device, bool gat
   }
   for (auto i : layout.decode_sequences) {
     const auto& s = batch.sequences[i];
-    decode_tokens.push_back(layout.token_start[i]);
+    layout.decode_token_list.push_back(layout.token_start[i]);
     layout.decode_offsets.push_back(s.kv_offset);
     layout.decode_lengths.push_back(s.past + 1);
     layout.decode_prefixes.push_back(s.prefixes.empty() ? nullptr : &s.prefixes);
   }
   for (const auto& list : group_token_lists) layout.group_tokens.push_back(at::tensor(list, at::kLong).to(device));
-  if (gathered && !layout.decode_lengths.empty()) {
-    layout.decode_tokens = at::tensor(decode_tokens, at::kLong).to(device);
-    const int64_t rows = static_cast<int64_t>(layout.decode_lengths.size());
-    const int64_t longest = *std::max_element(layout.decode_lengths.begin(), layout.decode_lengths.end());
-    auto slots = at::empty({rows, longest}, at::kLong);
-    auto valid = at::empty({rows, longest}, at::kBool);
-    auto sp = slots.accessor<int64_t, 2>();
-    auto vp = valid.accessor<bool, 2>();
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t len = layout.decode_lengths[r];
-      for (int64_t t = 0; t < longest; ++t) {
-        sp[r][t] = layout.decode_offsets[r] + std::min(t, len - 1);
-        vp[r][t] = t < len;
-      }
-    }
-    layout.decode_slots = slots.flatten().to(device);
-    layout.decode_valid = valid.to(device);
-  }
-  layout.decode_token_list = std::move(decode_tokens);
+  if (gathered && !layout.decode_lengths.empty()) gather_decode_rows(batch, folds, device, layout);
   return layout;
 }
 
@@ -314,7 +380,7 @@ at::Tensor packed_attention(const at::Tensor& q_in, const at::Tensor& keys, cons
                            layout.decode_prefixes, layer, acc);
     } else {
       auto rows = layout.decode_tokens;
-      auto part = decode_part_gathered(q.index_select(0, rows), keys, values, layout);
+      auto part = decode_part_gathered(q.index_select(0, rows), keys, values, layout, layer);
       acc.o.index_copy_(0, rows, part.o);
       acc.m.index_copy_(0, rows, part.m);
       acc.l.index_copy_(0, rows, part.l);

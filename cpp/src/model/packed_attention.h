@@ -33,14 +33,22 @@ struct PackedLayout {
   std::vector<int64_t> decode_sequences;     // their sequence indices
   std::vector<int64_t> decode_token_list, decode_offsets, decode_lengths;  // per one-token sequence
   std::vector<const PrefixList*> decode_prefixes;
-  // For the gathered path (not CPU float32): pool slots [R * longest] and validity [R, longest].
-  at::Tensor decode_slots, decode_valid;
+  // The gathered path (not CPU float32), for R one-token rows: own pool slots [R * longest];
+  // the prefixes folded into the rows (below), laid end to end row by row, and each row's
+  // indices into them [R * longest_prefix] (undefined when no row folds one); an additive mask
+  // [R, 1, 1, longest_prefix + longest] of 0 and -inf over the row's prefix then own keys.
+  at::Tensor decode_slots, decode_prefix_slots, decode_mask;
+  std::vector<const KVPrefix*> decode_folded;
+  bool decode_folded_biases = false;  // some folded prefix has attention biases
 };
 
-// `gathered`: the one-token sequences take the gathered path (slot index built here) and
-// join their prefix groups; otherwise (the CPU kernel) they attend to their prefixes in the
-// kernel, ordered so that rows sharing a prefix list are adjacent, and the groups hold only
-// multi-token sequences.
+// `gathered`: the one-token sequences take the gathered path (slot indices built here). There,
+// a row whose prefix list no other sequence of the step has folds its prefixes into its own
+// gathered keys (one attention for every such row at once, however many distinct cartridges:
+// the launch count of a GPU step stays flat in the number of users); rows that share a list
+// join that list's group, whose prefix KV is then read once for all of them. Otherwise (the
+// CPU kernel) the one-token sequences attend to their prefixes in the kernel, ordered so that
+// rows sharing a prefix list are adjacent, and the groups hold only multi-token sequences.
 PackedLayout packed_layout(const PackedBatch& batch, at::Device device, bool gathered);
 
 // q: [N, H, D] already rotated; keys/values: the layer's pool slabs [capacity, H_kv, D]
