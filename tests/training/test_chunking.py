@@ -10,7 +10,8 @@ import pytest
 from cartridges.selfstudy import TrainConfig
 from cartridges.selfstudy.chunking import Span, even_spans, named_texts, part_of, part_view, partner_chunk, plan_views
 from cartridges.selfstudy.config import default_num_samples, default_num_tokens
-from cartridges.selfstudy.prompts import CLOZE_TEMPLATES, RECALL_TEMPLATES, cloze_message, recall_message
+from cartridges.selfstudy.prompts import (CLOZE_TEMPLATES, RECALL_TEMPLATES, VERIFY, VERIFY_TEMPLATES, cloze_message,
+                                         draw_seed_prompts, recall_message, verify_message)
 from cartridges.selfstudy.synthesize import loop_start
 
 
@@ -158,6 +159,39 @@ def test_cloze_message_blanks_a_number_or_name_of_a_whole_sentence():
     message, answer = cloze_message(CLOZE_TEMPLATES[0], "just some lowercase words without any facts at all "
                                     "in them, said twice over and over here", random.Random(0))
     assert "____" not in message and answer
+
+
+def test_verify_message_states_a_sentence_true_or_with_a_number_or_name_swapped():
+    chunk = ("cut off at the start. The furnace Old Ember works at 1,150 °C and is relined every "
+             "4.5 years by the firm of Harrow Brothers. The end is cut")
+    sentence = "The furnace Old Ember works at 1,150 °C and is relined every 4.5 years by the firm of Harrow Brothers."
+    answers = set()
+    for seed in range(30):
+        message, answer = verify_message(VERIFY_TEMPLATES[0], chunk, random.Random(seed))
+        assert message.endswith("Answer yes or no.")
+        statement = message.split('"')[1]
+        answers.add(answer)
+        if answer == "Yes":
+            assert statement == sentence
+        else:  # one number swapped for another number of the chunk, or one name for another name
+            assert answer == "No" and statement != sentence
+            swaps = {("1,150 °C", "4.5"), ("4.5", "1,150 °C"), ("Old Ember", "Harrow Brothers"),
+                     ("Harrow Brothers", "Old Ember")}
+            assert any(statement == sentence.replace(a, b, 1) for a, b in swaps), statement
+    assert answers == {"Yes", "No"}
+    # Nothing of its sort to swap in (a sentence's first word is no name): the statement stays true.
+    lone = "start. The bell Brannick was cast in 1402 by the smith. Then it rang. end"
+    for seed in range(10):
+        message, answer = verify_message(VERIFY_TEMPLATES[0], lone, random.Random(seed))
+        assert answer == "Yes" and "Brannick was cast in 1402" in message
+
+
+def test_verify_fraction_zero_draws_the_seed_prompts_of_a_config_without_it():
+    plain = draw_seed_prompts(random.Random(5), 40, 1.0)
+    assert draw_seed_prompts(random.Random(5), 40, 1.0, 0.0) == plain
+    mixed = [kind for kind, _ in draw_seed_prompts(random.Random(5), 400, 1.0, 0.25)]
+    assert 0.15 < mixed.count(VERIFY) / len(mixed) < 0.35
+    assert {"recall", "cloze"} <= set(mixed)
 
 
 @pytest.mark.parametrize("total, start, length", [(1000, 0, 100), (1000, 450, 100), (1000, 900, 100), (400, 150, 100)])

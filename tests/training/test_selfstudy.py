@@ -69,6 +69,21 @@ def test_teacher_topk_equals_window_in_context(model):
         assert c.chunk not in model.tokenizer.decode(data.tokens[row].tolist())
 
 
+def test_verify_conversations_ask_yes_or_no_and_the_teacher_scores_the_answer(model):
+    config = small_config(written_fraction=1.0, verify_fraction=1.0)
+    corpus = Corpus.from_texts(model.tokenizer, [TEXT])
+    conversations = synthesize(model, corpus, config)
+    synth = Synthesizer(model, config)
+    assert {c.kind for c in conversations} == {"verify"}
+    for c in conversations:
+        assert c.question.endswith("Answer yes or no.")
+        assert model.tokenizer.decode(c.answer) in ("Yes", "No")
+        prompt = synth.prompt(c.window, c.question)
+        logits = model.native.forward(torch.tensor([prompt + c.answer]))[0, len(prompt) - 1 : -1]
+        values, _ = torch.log_softmax(logits, -1).topk(config.top_k, -1)
+        torch.testing.assert_close(c.topk_logprobs, values, rtol=1e-4, atol=1e-4)
+
+
 def test_length_groups_split_short_rows_from_long_ones():
     length_groups = cartridges_core.length_groups
     lengths = [5, 120, 6, 130, 7, 125, 4, 128]

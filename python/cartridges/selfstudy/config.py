@@ -120,6 +120,12 @@ class TrainConfig(BaseModel):
     default 135M model their conversations did not help and cost time; larger models, which
     write and answer better, may gain from some, e.g. 0.4 (docs/experiments.md, "Which
     changes to synthesis make self-study carry the document's facts?")."""
+    verify_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of the written conversations that are "verify": a sentence of the chunk as a
+    statement, true or (at even odds) with one number or name swapped for another of the
+    chunk's, and "Answer yes or no."; the teacher scores "Yes" or "No" with the chunk in
+    context. Recall and cloze answers teach the facts as text to go on with; these keep the
+    short answers users' yes/no questions want. 0 until measured."""
     joined_fraction: float = Field(0.0, ge=0.0, le=1.0)
     """Share of the conversations that join two parts of the corpus far apart (their centres
     at least a quarter of it apart, the chunks never overlapping): the message quotes the start of a sentence from each

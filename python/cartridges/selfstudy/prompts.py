@@ -1,9 +1,10 @@
 """Seed prompts for "A", the model instance that writes user messages about a chunk, and the
-system prompt both instances see. Five kinds, as in self-study (the wording is ours), and a
-sixth, "recall", written here rather than by A: the message quotes the start of a sentence of
-the chunk and asks for what follows, and the answer is the document's own text (scored by the
-teacher, not generated), so that the facts themselves, word for word, are among what the
-cartridge learns to say: a small model as B often answers other messages wrongly."""
+system prompt both instances see. Five kinds, as in self-study (the wording is ours), and
+kinds written here rather than by A, whose answer comes from the chunk and is scored by the
+teacher, not generated: "recall" (the start of a sentence quoted, the document's own text
+after it asked for), "cloze" (a number or name blanked out) and "verify" (a statement, true
+or with a number or name swapped, to answer yes or no). They put the facts themselves among
+what the cartridge learns to say: a small model as B often answers other messages wrongly."""
 
 from __future__ import annotations
 
@@ -51,9 +52,10 @@ SEED_PROMPTS: dict[str, tuple[str, ...]] = {
 
 RECALL = "recall"
 CLOZE = "cloze"
+VERIFY = "verify"  # a sentence of the chunk, true or with one number or name swapped: yes or no (verify_fraction)
 JOINED = "joined"  # two recalls from distant parts of the corpus in one message (joined_fraction)
-KINDS = (*SEED_PROMPTS, RECALL, CLOZE, JOINED)
-WRITTEN_HERE = (RECALL, CLOZE)  # kinds whose message and answer come from the chunk, not from A and B
+KINDS = (*SEED_PROMPTS, RECALL, CLOZE, VERIFY, JOINED)
+WRITTEN_HERE = (RECALL, CLOZE, VERIFY)  # kinds whose message and answer come from the chunk, not from A and B
 
 # How often each of A's kinds is drawn: weighted toward messages that ask for the facts. A
 # small model as A turns creative and use-case seeds into messages often not about the chunk.
@@ -78,16 +80,32 @@ CLOZE_TEMPLATES = (
     'According to the document, what goes in the blank? "{sentence}"',
 )
 
-_TEMPLATES = {**SEED_PROMPTS, RECALL: RECALL_TEMPLATES, CLOZE: CLOZE_TEMPLATES}
+# The phrasing users' yes/no questions end with ("... Answer yes or no."), so that what the
+# cartridge learns about such answers is asked the way it will be.
+VERIFY_TEMPLATES = (
+    'According to the document, is this true? "{statement}" Answer yes or no.',
+    'Does the document say this? "{statement}" Answer yes or no.',
+)
+
+_TEMPLATES = {**SEED_PROMPTS, RECALL: RECALL_TEMPLATES, CLOZE: CLOZE_TEMPLATES, VERIFY: VERIFY_TEMPLATES}
 
 
-def draw_seed_prompts(rng: random.Random, n: int, written_fraction: float) -> list[tuple[str, str]]:
-    """`n` (kind, prompt) pairs: with probability `written_fraction` "recall" or "cloze" (even
-    odds; the prompt is a template that `written_message` fills in), else one of A's kinds
-    drawn by KIND_WEIGHTS; then a prompt of that kind."""
+def draw_seed_prompts(rng: random.Random, n: int, written_fraction: float,
+                      verify_fraction: float = 0.0) -> list[tuple[str, str]]:
+    """`n` (kind, prompt) pairs: with probability `written_fraction` a written kind (the prompt
+    is a template that `written_message` fills in): "verify" with probability
+    `verify_fraction`, else "recall" or "cloze" at even odds; otherwise one of A's kinds drawn by
+    KIND_WEIGHTS; then a prompt of that kind. A `verify_fraction` of 0 draws nothing for it, so
+    that the other draws are those of a config without it."""
     a_kinds = tuple(KIND_WEIGHTS)
+
+    def written_kind() -> str:
+        if verify_fraction > 0 and rng.random() < verify_fraction:
+            return VERIFY
+        return rng.choice((RECALL, CLOZE))
+
     kinds = [
-        rng.choice(WRITTEN_HERE) if rng.random() < written_fraction
+        written_kind() if rng.random() < written_fraction
         else rng.choices(a_kinds, weights=[KIND_WEIGHTS[k] for k in a_kinds])[0]
         for _ in range(n)
     ]
@@ -96,7 +114,8 @@ def draw_seed_prompts(rng: random.Random, n: int, written_fraction: float) -> li
 
 def written_message(kind: str, template: str, chunk_text: str, rng: random.Random) -> tuple[str, str]:
     """The message and answer of a row whose kind is in WRITTEN_HERE."""
-    return (recall_message if kind == RECALL else cloze_message)(template, chunk_text, rng)
+    make = {RECALL: recall_message, CLOZE: cloze_message, VERIFY: verify_message}[kind]
+    return make(template, chunk_text, rng)
 
 
 _SENTENCE_START = re.compile(r"(?:^|(?<=[.!?:;|\n]))\s*(?=[A-Z0-9])")
@@ -141,10 +160,7 @@ def cloze_message(template: str, chunk_text: str, rng: random.Random, min_words:
     number or name blanked out, drawn at random, and the blanked words. Sentences cut by the
     chunk's edges are left out. Falls back to a recall message when no sentence has a blank."""
     candidates = []
-    for match in _SENTENCE.finditer(chunk_text):
-        sentence = match.group().strip()
-        if len(sentence.split()) < min_words or match.start() == 0 or match.end() == len(chunk_text):
-            continue
+    for sentence in _whole_sentences(chunk_text, min_words):
         for span in _CLOZE_SPAN.finditer(sentence):
             if span.start() > 0:
                 candidates.append((sentence, span))
@@ -153,6 +169,38 @@ def cloze_message(template: str, chunk_text: str, rng: random.Random, min_words:
     sentence, span = rng.choice(candidates)
     blanked = " ".join((sentence[: span.start()] + "____" + sentence[span.end() :]).split())
     return template.format(sentence=blanked), span.group()
+
+
+def _whole_sentences(chunk_text: str, min_words: int) -> list[str]:
+    """The chunk's sentences (or table cell runs) of at least `min_words` words that its edges do not cut."""
+    return [m.group().strip() for m in _SENTENCE.finditer(chunk_text)
+            if len(m.group().split()) >= min_words and m.start() > 0 and m.end() < len(chunk_text)]
+
+
+def verify_message(template: str, chunk_text: str, rng: random.Random, min_words: int = 6) -> tuple[str, str]:
+    """A "verify" message and its answer: a sentence of the chunk as a statement to check, and
+    "Yes"; or, at even odds, the same sentence with one number or name replaced by a different
+    one of the same sort from the chunk (a number by a number, a name by a name), and "No".
+    The teacher scores the answer with the chunk in context, so what is learned is its
+    judgment. A sentence with nothing to swap stays true; a chunk without whole sentences
+    falls back to a recall message."""
+    sentences = _whole_sentences(chunk_text, min_words)
+    if not sentences:
+        return recall_message(RECALL_TEMPLATES[0], chunk_text, rng)
+    sentence = rng.choice(sentences)
+    statement, answer = sentence, "Yes"
+    if rng.random() < 0.5:
+        spans = [s for s in _CLOZE_SPAN.finditer(sentence) if s.start() > 0]
+        if spans:
+            span = rng.choice(spans)
+            numeric = span.group()[0].isdigit()
+            others = sorted({m.group() for part in _SENTENCE.finditer(chunk_text)
+                             for m in _CLOZE_SPAN.finditer(part.group().strip())
+                             if m.start() > 0 and m.group()[0].isdigit() == numeric and m.group() != span.group()})
+            if others:
+                statement = sentence[: span.start()] + rng.choice(others) + sentence[span.end() :]
+                answer = "No"
+    return template.format(statement=" ".join(statement.split())), answer
 
 
 # For init="text": KV of text unrelated to any corpus.
