@@ -596,6 +596,10 @@ class LlamaModel:
         """
         x [heads, S, head_dim] rotated by RoPE at `positions` [S]; keys at position i rotated by p - i are at position p.
         """
+    def with_dtype(self, dtype: str) -> LlamaModel:
+        """
+        The same model with its weights in `dtype` ("float32" or "bfloat16"), on the same device: e.g. a bfloat16 twin to train on beside the float32 model that serves.
+        """
     @property
     def config(self) -> LlamaConfig:
         ...

@@ -103,6 +103,14 @@ void bind_llama_model(py::module_& m) {
       .def_property("int8_activations", &LlamaModel::int8_activations, &LlamaModel::set_int8_activations,
                     "Decode on block-quantized CPU weights with activations rounded to 8 bits (the default, "
                     "llama.cpp's arithmetic) or kept in float32 (transformers' results); set before generating.")
+      .def(
+          "with_dtype",
+          [](const LlamaModel& m, const std::string& dtype) {
+            return std::make_shared<LlamaModel>(m.with_dtype(parse_dtype(dtype)));
+          },
+          py::arg("dtype"),
+          "The same model with its weights in `dtype` (\"float32\" or \"bfloat16\"), on the same device: "
+          "e.g. a bfloat16 twin to train on beside the float32 model that serves.")
       .def("new_cache", &LlamaModel::new_cache, py::arg("batch"), py::arg("capacity"))
       .def(
           "forward",

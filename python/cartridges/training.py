@@ -187,17 +187,24 @@ def _load_datasets(path: Path) -> Datasets:
                     parts.tolist() if parts is not None else None)
 
 
-def _loop_options(model: Any, config: TrainConfig, params: cartridges_core.CartridgeParams,
-                  data: cartridges_core.TrainingData, checkpoint: str | os.PathLike[str] | None,
-                  resume: bool) -> cartridges_core.TrainOptions:
-    """The C++ loop's options: the config's training fields, the companion when it fits, and
-    the checkpoint's path and cadence."""
-    native = native_model(model)
+def training_twin(native: cartridges_core.LlamaModel, training_dtype: str) -> cartridges_core.LlamaModel:
+    """The model the training passes run on: `native` itself ("model", or its own dtype), or its
+    twin with the weights in `training_dtype`."""
+    if training_dtype in ("model", native.dtype):
+        return native
+    return native.with_dtype(training_dtype)
+
+
+def _loop_options(model: Any, trainer: cartridges_core.LlamaModel, config: TrainConfig,
+                  params: cartridges_core.CartridgeParams, data: cartridges_core.TrainingData,
+                  checkpoint: str | os.PathLike[str] | None, resume: bool) -> cartridges_core.TrainOptions:
+    """The C++ loop's options: the config's training fields, the companion when it fits (its KV
+    from `trainer`, the model that trains), and the checkpoint's path and cadence."""
     options = train_options(config)
-    if companion_fits(native, config, params):
+    if companion_fits(trainer, config, params):
         # The stand-in for another cartridge in front: KV of unrelated text, as long as this one.
         companion = unrelated_tokens(model, params.num_tokens)
-        options.companion = native.prefix_from_tokens(torch.tensor(companion, dtype=torch.long))
+        options.companion = trainer.prefix_from_tokens(torch.tensor(companion, dtype=torch.long))
         options.companion_every = config.companion_every
     if checkpoint is not None:
         options.checkpoint_path = str(checkpoint)
@@ -314,13 +321,15 @@ def train(
                 synthesis_path.unlink(missing_ok=True)  # the data supersedes it
         t1 = time.perf_counter()
 
-        options = _loop_options(model, config, params, data, checkpoint, resume)
+        trainer = training_twin(native, config.training_dtype)
+        options = _loop_options(model, trainer, config, params, data, checkpoint, resume)
 
         def report(p: cartridges_core.TrainProgress) -> None:
             bar.update("training", p.step, p.total, p.loss)
 
         init = copy_params(params) if held_out is not None else None
-        result = cartridges_core.train_cartridge(native, params, data, options, report, cancel)
+        result = cartridges_core.train_cartridge(trainer, params, data, options, report, cancel)
+        del trainer
         t2 = time.perf_counter()
         if init is not None and not result.cancelled:
             quality = quality_report(native, params, init, held_out, config.batch_size, parts)

@@ -127,6 +127,24 @@ def test_train_is_deterministic_and_reports_progress(model):
     assert seen[-1][1:3] == (6, 6) and seen[-1][3] == pytest.approx(first.stats["losses"][-1])
 
 
+def test_training_in_bfloat16_runs_on_a_twin_and_keeps_the_cartridge_float32(model):
+    """training_dtype="bfloat16" trains on a bfloat16 twin of the model's weights: the same
+    losses to bfloat16's precision, a float32 cartridge, and the model itself untouched."""
+    config = small_config(quality_samples=0)
+    f32 = train(model, [TEXT], config, progress=False)
+    bf16 = train(model, [TEXT], config.replace(training_dtype="bfloat16"), progress=False, data=f32.stats["data"])
+    assert model.native.dtype == "float32" and bf16.config["training_dtype"] == "bfloat16"
+    assert all(k.dtype == torch.float32 for k in bf16.keys)
+    assert bf16.stats["losses"] == pytest.approx(f32.stats["losses"], rel=0.03)
+    assert bf16 != f32
+    # Its twin computes the model's own forward to bfloat16's precision.
+    tokens = torch.randint(100, (2, 9), generator=torch.Generator().manual_seed(0))
+    exact = model.native.forward(tokens)
+    twin = model.native.with_dtype("bfloat16")
+    assert twin.dtype == "bfloat16" and model.native.with_dtype("float32").dtype == "float32"
+    assert ((twin.forward(tokens).float() - exact).abs().max() / exact.abs().max()) < 0.05
+
+
 def test_the_training_signal_comes_from_every_part_of_the_corpus(model):
     corpus_tokens = len(model.tokenizer.encode(TEXT))
     # 12 batches of 4: one round over the 12 chunks of 60 tokens in windows of 120.

@@ -80,6 +80,11 @@ class LlamaModel {
 
   KVCache new_cache(int64_t batch, int64_t capacity) const;
 
+  // The same model with its weights in `dtype`, on the same device: e.g. a bfloat16 twin that
+  // trains a cartridge beside the float32 model that serves it. The block-quantized weights
+  // stay only where they are used (CPU float32); tied embeddings stay tied.
+  LlamaModel with_dtype(at::ScalarType dtype) const;
+
   // Whether decode steps on block-quantized CPU weights round activations to 8 bits
   // (llama.cpp's arithmetic, the default: several times faster) or keep them in float32
   // (results equal to transformers' on the dequantized weights, up to summation order).

@@ -175,6 +175,31 @@ LlamaModel::LlamaModel(LlamaConfig config, const std::unordered_map<std::string,
   }
 }
 
+LlamaModel LlamaModel::with_dtype(at::ScalarType dtype) const {
+  LlamaModel twin = *this;
+  twin.dtype_ = dtype;
+  const bool keep_blocks = device_.is_cpu() && dtype == at::kFloat;
+  auto cast = [&](const at::Tensor& t) { return t.defined() ? t.to(dtype).contiguous() : t; };
+  auto cast_linear = [&](const Linear& l) {
+    return Linear{cast(l.weight), cast(l.bias), keep_blocks ? l.quantized : nullptr};
+  };
+  twin.embed_ = cast(embed_);
+  twin.final_norm_ = cast(final_norm_);
+  twin.lm_head_ = cast_linear(lm_head_);
+  if (lm_head_.weight.is_same(embed_)) twin.lm_head_.weight = twin.embed_;
+  for (auto& layer : twin.layers_) {
+    layer.input_norm = cast(layer.input_norm);
+    layer.post_norm = cast(layer.post_norm);
+    layer.q_norm = cast(layer.q_norm);
+    layer.k_norm = cast(layer.k_norm);
+    layer.qkv = cast_linear(layer.qkv);
+    layer.o = cast_linear(layer.o);
+    layer.gate_up = cast_linear(layer.gate_up);
+    layer.down = cast_linear(layer.down);
+  }
+  return twin;
+}
+
 KVCache LlamaModel::new_cache(int64_t batch, int64_t capacity) const {
   return KVCache(config_, batch, capacity, options());
 }

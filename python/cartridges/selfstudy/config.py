@@ -15,6 +15,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 Init = Literal["corpus", "spread", "compact", "text"]
 Objective = Literal["distill", "next_token", "compact"]
 LossWeighting = Literal["step", "token", "row"]
+TrainingDtype = Literal["model", "float32", "bfloat16"]
 INITS: tuple[str, ...] = Init.__args__
 OBJECTIVES: tuple[str, ...] = Objective.__args__
 LOSS_WEIGHTINGS: tuple[str, ...] = LossWeighting.__args__
@@ -209,6 +210,13 @@ class TrainConfig(BaseModel):
     (docs/experiments.md, "Where does the seed variance come from, and do token weighting,
     gradient accumulation, tail averaging or a soup remove it?" and "Do row weighting or a
     larger cartridge raise the recovered fraction over seeds?")."""
+    training_dtype: TrainingDtype = "model"
+    """The dtype of the forward and backward passes that train the cartridge: "model", the
+    model's own; "bfloat16" or "float32", a twin of the model with its weights in that dtype.
+    The cartridge's values and Adam's state stay float32 either way, and synthesis and the
+    quality report run on the model itself. On a CPU with AVX-512 BF16 a bfloat16 step takes
+    about 0.7x the float32 one (benchmarks/README.md, "Training step"); elsewhere bfloat16 can
+    be slower. "model" until the quality of cartridges trained in bfloat16 is measured."""
     companion_every: int = Field(3, ge=0)
     """Composition: every companion_every-th conversation is trained with a stand-in for another
     cartridge in front (the KV of unrelated text, as long as this cartridge), as it would be
