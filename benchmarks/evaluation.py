@@ -38,7 +38,7 @@ from cartridges.selfstudy.prompts import SYSTEM_PROMPT
 # TrainConfig fields that change training but not synthesis.
 TRAINING_ONLY_FIELDS = {"learning_rate", "anchor", "epochs", "batch_size", "grad_accum", "cosine", "warmup", "layer_scaled_lr",
                         "channel_scaled_lr", "loss_weighting", "checkpoint_every", "companion_every", "num_frozen",
-                        "init", "num_tokens"}
+                        "init", "num_tokens", "training_dtype"}
 
 
 @dataclass
