@@ -12,7 +12,8 @@ running and waiting requests) and the process' resident memory. Reported:
 - *stalls*: samples in which requests waited while the pool's free total was at least the
   largest reserve (prompt + max tokens) among the requests then without a first token, in
   this sample and the one before (a request queued between two steps is not a stall): waits
-  that a pool without fragmentation would not have made;
+  that a pool without fragmentation would not have made (the engine packs the running
+  requests' ranges when the free slots suffice and no free range does: `compactions`);
 - time from submission to the first token (p50, p95, max);
 - resident memory at the first sample, its largest and at the end.
 """
@@ -115,7 +116,7 @@ def main() -> None:
     ttft = sorted(first_token_s)
     report = {
         "minutes": args.minutes, "kv_tokens": args.kv_tokens, "in_flight": args.in_flight, **counts,
-        "samples": samples, "stalls": stalls,
+        "samples": samples, "stalls": stalls, "compactions": engine.stats().kv_compactions,
         "first_token_s": {"p50": statistics.median(ttft) if ttft else None,
                           "p95": ttft[int(0.95 * (len(ttft) - 1))] if ttft else None, "max": ttft[-1] if ttft else None},
         "rss_mib": {"first": memory[0] if memory else None, "max": max(memory, default=None),
@@ -123,7 +124,8 @@ def main() -> None:
     }
     print(f"{args.minutes:g} min, pool {args.kv_tokens} tokens, {args.in_flight} clients: "
           f"{counts['served']} served, {counts['context_length']} ContextLengthError, {counts['busy']} busy")
-    print(f"stalls (waiting while the free total fit every waiting request): {stalls} of {samples} samples")
+    print(f"stalls (waiting while the free total fit every waiting request): {stalls} of {samples} samples; "
+          f"{report['compactions']} compactions of the pool")
     if ttft:
         print(f"submission to first token: p50 {report['first_token_s']['p50']:.2f} s, "
               f"p95 {report['first_token_s']['p95']:.2f} s, max {ttft[-1]:.2f} s")

@@ -363,6 +363,9 @@ class EngineStats:
     def kv_bytes(self) -> int:
         ...
     @property
+    def kv_compactions(self) -> int:
+        ...
+    @property
     def kv_tokens_total(self) -> int:
         ...
     @property

@@ -92,6 +92,7 @@ void bind_engine_records(py::module_& m) {
       .def_readonly("kv_tokens_used", &EngineStats::kv_tokens_used)
       .def_readonly("kv_tokens_total", &EngineStats::kv_tokens_total)
       .def_readonly("kv_bytes", &EngineStats::kv_bytes)
+      .def_readonly("kv_compactions", &EngineStats::kv_compactions)
       .def_readonly("steps", &EngineStats::steps)
       .def_readonly("prompt_tokens", &EngineStats::prompt_tokens)
       .def_readonly("generated_tokens", &EngineStats::generated_tokens)

@@ -146,6 +146,29 @@ TEST_F(EngineTest, CancelledRequestFreesItsPlaceAndOthersGoOn) {
   EXPECT_EQ(engine.stats().kv_tokens_used, 0);
 }
 
+// A request that fits the pool's free slots but none of its free ranges starts after the
+// running requests' KV is packed toward the pool's start; they go on as if nothing moved, a
+// mixture's sequences included.
+TEST_F(EngineTest, RequestsGetWhatTheyGetAloneAcrossAPoolCompaction) {
+  EngineOptions options;
+  options.kv_tokens = 160;
+  Engine engine(model, options);
+  auto a = prefix(random_tokens(6)), b = prefix(random_tokens(4));
+  std::vector<Request> requests = {
+      greedy(random_tokens(4), 10),          // [0, 14): ends first
+      greedy(random_tokens(5), 25, {a, b}),  // a mixture, two ranges of 30: [14, 74)
+      greedy(random_tokens(3), 30),          // [74, 107)
+      greedy(random_tokens(6), 52),          // 58 slots: 53 free at the end, 67 in all once the first ends
+  };
+  auto ids = engine.submit_all(requests);
+  auto results = drain(engine, {ids.begin(), ids.end()});
+  EXPECT_EQ(engine.stats().kv_compactions, 1);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_EQ(results[ids[i]].tokens, alone(requests[i]).tokens) << "request " << i;
+  }
+  EXPECT_EQ(engine.stats().kv_tokens_used, 0);
+}
+
 TEST_F(EngineTest, SeededSamplingRepeatsAndSeedsDiffer) {
   Engine engine(model);
   auto r = greedy(random_tokens(4), 24);

@@ -60,6 +60,30 @@ TEST(Scheduler, AdmitsUnderTheKVBudgetAndQueuesTheRest) {
   EXPECT_EQ(s.kv_used(), 80);
 }
 
+TEST(Scheduler, PacksTheRunningRangesWhenTheFreeSlotsSufficeButNoFreeRangeDoes) {
+  Scheduler s(small(/*kv=*/100));
+  for (int64_t id = 1; id <= 3; ++id) s.enqueue(id, Priority::kInteractive, 5, 30);
+  EXPECT_TRUE(s.plan().moves.empty());  // 1 at 0, 2 at 30, 3 at 60
+  EXPECT_TRUE(s.finish(2));             // free: [30, 60) and [90, 100)
+  s.enqueue(4, Priority::kInteractive, 5, 40);
+  auto plan = s.plan();
+  ASSERT_TRUE(s.is_running(4));
+  EXPECT_EQ(s.compactions(), 1);
+  ASSERT_EQ(plan.moves.size(), 1u);  // 1 stays where it is
+  EXPECT_EQ(plan.moves[0].id, 3);
+  EXPECT_EQ(plan.moves[0].from, 60);
+  EXPECT_EQ(plan.moves[0].to, 30);
+  EXPECT_EQ(s.find(3)->kv_offset, 30);
+  EXPECT_EQ(s.find(4)->kv_offset, 60);
+  EXPECT_EQ(s.kv_used(), 100);
+  // More than the free total: it waits, and nothing moves.
+  EXPECT_TRUE(s.finish(1));
+  s.enqueue(5, Priority::kInteractive, 5, 31);
+  EXPECT_TRUE(s.plan().moves.empty());
+  EXPECT_FALSE(s.is_running(5));
+  EXPECT_EQ(s.compactions(), 1);
+}
+
 TEST(Scheduler, NeverMoreThanMaxRunning) {
   Scheduler s(small(100, /*running=*/2));
   for (int64_t id = 0; id < 3; ++id) s.enqueue(id, Priority::kInteractive, 1, 2);

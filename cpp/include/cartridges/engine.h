@@ -71,6 +71,7 @@ struct Event {
 struct EngineStats {
   int64_t running = 0, waiting = 0;
   int64_t kv_tokens_used = 0, kv_tokens_total = 0, kv_bytes = 0;
+  int64_t kv_compactions = 0;  // times the running requests' KV ranges were packed (fragmentation)
   int64_t steps = 0, prompt_tokens = 0, generated_tokens = 0;
   int64_t finished = 0, cancelled = 0;
   CartridgeCacheStats cartridges;

@@ -171,6 +171,7 @@ class EngineImpl {
     s.kv_tokens_used = scheduler_.kv_used();
     s.kv_tokens_total = options_.kv_tokens;
     s.kv_bytes = pool_.nbytes();
+    s.kv_compactions = scheduler_.compactions();
     s.cartridges = cartridges_.stats();
     return s;
   }
@@ -202,6 +203,7 @@ class EngineImpl {
     std::vector<Event> events;
     for (;;) {
       StepPlan plan;
+      std::vector<SlotRun> moved;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         work_.wait(lock, [&] { return stopping_ || !cancels_.empty() || scheduler_.running() + scheduler_.waiting() > 0; });
@@ -220,13 +222,51 @@ class EngineImpl {
         }
         cancels_.clear();
         plan = scheduler_.plan();
+        moved = slots_to_move(plan.moves);
       }
       if (const int wanted = requested_threads_.load(); wanted != threads) {
         threads = wanted;  // OpenMP's count is per thread: only the compute thread can set its own
         at::set_num_threads(threads);
       }
+      if (!moved.empty()) move_slots(moved);
       if (!plan.empty()) step(plan, events);
       publish(events, /*last=*/false);
+    }
+  }
+
+  // Pool slots whose contents move: `length` slots from `from` to `to`.
+  struct SlotRun {
+    int64_t from, to, length;
+  };
+
+  // The filled slots of each request the plan's compaction moved (each of a mixture's
+  // sequences: the prompt tokens prefilled and every generated token but the last). Called
+  // under the lock, in the moves' order.
+  std::vector<SlotRun> slots_to_move(const std::vector<KVMove>& moves) const {
+    std::vector<SlotRun> runs;
+    for (const auto& move : moves) {
+      const Live& live = *lives_.at(move.id);
+      const int64_t filled =
+          scheduler_.find(move.id)->prefilled + std::max<int64_t>(0, static_cast<int64_t>(live.generated.size()) - 1);
+      for (int64_t b = 0; b < live.branches && filled > 0; ++b) {
+        runs.push_back({move.from + b * live.slots, move.to + b * live.slots, filled});
+      }
+    }
+    return runs;
+  }
+
+  // Moves slot contents toward the pool's start, in order (a run may overlap its own source,
+  // never one still to move).
+  void move_slots(const std::vector<SlotRun>& runs) {
+    RECORD_FUNCTION("cartridges::compact_kv_pool", std::vector<c10::IValue>());
+    ComputeLock turn;
+    for (auto* slabs : {&pool_.keys, &pool_.values}) {
+      for (auto& slab : *slabs) {
+        for (const auto& r : runs) {
+          auto source = slab.narrow(0, r.from, r.length);
+          slab.narrow(0, r.to, r.length).copy_(r.to + r.length > r.from ? source.clone() : source);
+        }
+      }
     }
   }
 

@@ -1,8 +1,8 @@
 #pragma once
 // Hands out ranges of the engine's KV pool (see KVPool in cartridges/kv_pool.h): policy only,
-// no tensors. A request gets one contiguous range of slots for its whole life, so that its
-// own keys and values are read in place, and gives it back when it ends; nobody else's KV
-// moves.
+// no tensors. A request gets one contiguous range of slots, so that its own keys and values
+// are read in place, and gives it back when it ends; the scheduler packs the ranges (a new
+// allocator, filled in offset order) when the free slots are too fragmented.
 
 #include <cstdint>
 #include <map>

@@ -38,11 +38,16 @@ void Scheduler::enqueue(int64_t id, Priority priority, int64_t prompt_tokens, in
   waiting_[static_cast<int>(priority)].push_back(s);
 }
 
-void Scheduler::admit() {
+void Scheduler::admit(std::vector<KVMove>& moves) {
   for (auto& queue : waiting_) {
     while (!queue.empty()) {
       if (running_rows_ + queue.front().rows > options_.max_running) return;
-      auto offset = allocator_.allocate(queue.front().reserve);
+      const int64_t reserve = queue.front().reserve;
+      auto offset = allocator_.allocate(reserve);
+      if (!offset && allocator_.capacity() - allocator_.used() >= reserve) {
+        compact(moves);  // the free slots suffice, split into ranges: make them one
+        offset = allocator_.allocate(reserve);
+      }
       if (!offset) return;  // the head waits for room; nothing jumps ahead of it
       Scheduled s = queue.front();
       queue.pop_front();
@@ -53,9 +58,25 @@ void Scheduler::admit() {
   }
 }
 
+void Scheduler::compact(std::vector<KVMove>& moves) {
+  std::vector<Scheduled*> by_offset;
+  for (auto& [id, s] : running_) by_offset.push_back(&s);
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const Scheduled* a, const Scheduled* b) { return a->kv_offset < b->kv_offset; });
+  // Slid toward the start in their order, each range lands at or before where it was and past
+  // the ranges moved before it: moving them in this order never overwrites a range still to move.
+  allocator_ = KVRangeAllocator(options_.kv_tokens);
+  for (Scheduled* s : by_offset) {
+    const int64_t to = *allocator_.allocate(s->reserve);
+    if (to != s->kv_offset) moves.push_back({s->id, s->kv_offset, to});
+    s->kv_offset = to;
+  }
+  ++compactions_;
+}
+
 StepPlan Scheduler::plan() {
-  admit();
   StepPlan plan;
+  admit(plan.moves);
   std::vector<const Scheduled*> prefilling;
   for (const auto& [id, s] : running_) {
     if (s.prefill_done()) {

@@ -36,7 +36,14 @@ struct Scheduled {
   bool prefill_done() const { return prefilled == prompt_tokens; }
 };
 
+// A running request's KV range moved by compaction: the slots it held from `from` on now
+// start at `to` (to < from); the engine moves their contents before the step.
+struct KVMove {
+  int64_t id = 0, from = 0, to = 0;
+};
+
 struct StepPlan {
+  std::vector<KVMove> moves;                           // applied to the pool first, in order
   std::vector<int64_t> decode;                         // running requests decoding one token
   std::vector<std::pair<int64_t, int64_t>> prefill;    // (request, prompt tokens this step)
   bool empty() const { return decode.empty() && prefill.empty(); }
@@ -53,6 +60,8 @@ class Scheduler {
   void enqueue(int64_t id, Priority priority, int64_t prompt_tokens, int64_t reserve, int64_t rows = 1);
   // Starts the waiting requests that fit, in priority order (stopping at the first that does
   // not, so that a large request is not starved by smaller ones behind it), then plans a step.
+  // When the head fits the pool's free slots but no free range (fragmentation), the running
+  // requests' ranges are first packed to the pool's start (the plan's `moves`).
   StepPlan plan();
   // After a step: `tokens` more prompt tokens of `id` are in the pool.
   void prefilled(int64_t id, int64_t tokens);
@@ -66,15 +75,18 @@ class Scheduler {
   int64_t running_rows() const { return running_rows_; }
   int64_t waiting() const { return static_cast<int64_t>(waiting_[0].size() + waiting_[1].size()); }
   int64_t kv_used() const { return allocator_.used(); }
+  int64_t compactions() const { return compactions_; }
   const SchedulerOptions& options() const { return options_; }
 
  private:
-  void admit();
+  void admit(std::vector<KVMove>& moves);
+  void compact(std::vector<KVMove>& moves);
 
   SchedulerOptions options_;
   KVRangeAllocator allocator_;
   int64_t arrivals_ = 0;
   int64_t running_rows_ = 0;
+  int64_t compactions_ = 0;
   std::deque<Scheduled> waiting_[2];    // by priority
   std::map<int64_t, Scheduled> running_;  // by id
 };
