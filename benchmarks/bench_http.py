@@ -4,7 +4,11 @@ engine in this process on the same prompts.
 1. Concurrency: N streaming clients (each sends its requests one after another), greedy chat
    replies of up to 128 tokens: output tokens/s, time to first token, inter-token latency;
    first on the engine in this process, then through the server. The ratio is what the
-   HTTP layer (FastAPI, JSON, server-sent events, the event loop) costs.
+   HTTP layer (FastAPI, JSON, server-sent events, the event loop) costs. Beside it, on Linux,
+   the server's CPU time outside the engine's compute threads (named "cartridges-step": the
+   step and its OpenMP team) per engine step, against the wall time of a step: what the HTTP
+   layer and the bridge from the engine to asyncio cost, measured as CPU, which the shared
+   cores' noise moves less than wall-clock ratios.
 2. Cartridge against document in context over HTTP: U users, each with their own document of
    D tokens and Q questions: (a) the document in the message, (c) a C-token cartridge as
    `model` (its values are the KV of the document's first C tokens: this measures serving,
@@ -108,6 +112,36 @@ async def http_clients(url: str, bodies_per_client: list[list[dict]]) -> tuple[T
         start = time.perf_counter()
         await asyncio.gather(*(client(b) for b in bodies_per_client))
         return timings, time.perf_counter() - start
+
+
+COMPUTE_THREAD = "cartridges-step"  # the engine's compute thread and its OpenMP team (engine.h)
+
+
+def thread_cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds so far of process `pid`'s threads: (the engine's compute threads, all others).
+    Threads that ended are not counted (the server's threads live as long as it does)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    compute = other = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        seconds = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        if name == COMPUTE_THREAD:
+            compute += seconds
+        else:
+            other += seconds
+    return compute, other
+
+
+def engine_steps(url: str) -> int:
+    """The server's engine steps so far (its /metrics)."""
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("cartridges_engine_steps_total "):
+            return int(float(line.split()[1]))
+    raise RuntimeError("no cartridges_engine_steps_total in /metrics")
 
 
 class Server:
@@ -218,9 +252,17 @@ def main() -> None:
         for n in clients:
             per_client = [[{**body, "messages": messages_for(QUESTIONS[(c + r) % len(QUESTIONS)])}
                            for r in range(args.rounds)] for c in range(n)]
+            cpu_before, steps_before = thread_cpu_s(server.proc.pid), engine_steps(server.url)
             timings, wall = asyncio.run(http_clients(server.url, per_client))
+            (compute, other), steps = thread_cpu_s(server.proc.pid), engine_steps(server.url) - steps_before
+            compute, other = compute - cpu_before[0], other - cpu_before[1]
             tput = timings.tokens / wall
             print(timings.line(f"HTTP, {n} clients", wall) + f"   = {tput / engine_tput[n]:.2f}x the engine")
+            if steps and compute > 0:
+                step_wall = wall / steps
+                print(f"  server CPU per step ({steps} steps, {step_wall * 1e3:.1f} ms of wall each): compute "
+                      f"{compute / steps * 1e3:.1f} ms, outside it (HTTP, asyncio, the bridge) "
+                      f"{other / steps * 1e3:.2f} ms = {other / steps / step_wall:.1%} of a step")
 
         if docs:
             answer = {"temperature": 0, "max_tokens": args.answer_tokens}

@@ -4,7 +4,10 @@ stop sequences, log-probabilities, seeds of `n` choices, the cartridge cache, ty
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -201,6 +204,14 @@ def test_a_mixture_weighs_its_cartridges_from_weigh_from(model, engine):
     assert not torch.allclose(everything[len(prompt) - 1:], mixture[len(prompt) - 1:], atol=1e-3)
     with pytest.raises(ValueError, match="weigh_from"):
         engine.submit(prompt, prefixes=kv, weigh_from=-1, **kwargs)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names are read from /proc")
+def test_the_compute_thread_and_its_openmp_team_are_named(engine):
+    """benchmarks/bench_http.py tells the engine's compute from the rest of a server by name."""
+    list(engine.submit([1, 2, 3], max_new_tokens=2))
+    names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    assert "cartridges-step" in names
 
 
 def test_typed_errors(model):

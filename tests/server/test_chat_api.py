@@ -285,7 +285,8 @@ def test_status_and_metrics(chat_server: LiveServer, owner: dict) -> None:
     for name in ("cartridges_http_requests_total{", "cartridges_prompt_tokens_total", "cartridges_cached_tokens_total",
                  "cartridges_completion_tokens_total", "cartridges_time_to_first_token_seconds_bucket",
                  "cartridges_time_per_output_token_seconds_bucket", "cartridges_running_requests",
-                 "cartridges_waiting_requests", "cartridges_kv_pool_tokens_used", "cartridges_cartridge_cache_bytes",
+                 "cartridges_waiting_requests", "cartridges_kv_pool_tokens_used", "cartridges_kv_pool_compactions_total",
+                 "cartridges_cartridge_cache_bytes",
                  "cartridges_cartridge_cache_hits", "cartridges_cartridge_loads", "cartridges_cartridge_evictions",
                  'cartridges_training_jobs{status="succeeded"}'):
         assert name in text, name

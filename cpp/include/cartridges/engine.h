@@ -68,6 +68,9 @@ struct Event {
   std::string error;
 };
 
+// The OS name of an engine's compute thread and of the OpenMP threads it starts (Linux).
+inline constexpr char kComputeThreadName[] = "cartridges-step";
+
 struct EngineStats {
   int64_t running = 0, waiting = 0;
   int64_t kv_tokens_used = 0, kv_tokens_total = 0, kv_bytes = 0;

@@ -80,6 +80,9 @@ class _StateCollector(Collector):
             yield GaugeMetricFamily("cartridges_engine_threads", "Intra-op threads of the engine now.",
                                     value=engine.native.num_threads)
             yield CounterMetricFamily("cartridges_engine_steps", "Engine steps run.", value=s.steps)
+            yield CounterMetricFamily("cartridges_kv_pool_compactions",
+                                      "Times the running requests' KV ranges were packed to admit a request.",
+                                      value=s.kv_compactions)
             yield GaugeMetricFamily("cartridges_cartridge_cache_bytes", "Bytes of loaded cartridges.", value=c.bytes)
             yield GaugeMetricFamily("cartridges_cartridge_cache_budget_bytes", "Cartridge memory budget.",
                                     value=c.budget_bytes)
