@@ -11,9 +11,10 @@ running and waiting requests) and the process' resident memory. Reported:
 - requests served and refused (ContextLengthError: the request could never fit; busy);
 - *stalls*: samples in which requests waited while the pool's free total was at least the
   largest reserve (prompt + max tokens) among the requests then without a first token, in
-  this sample and the one before (a request queued between two steps is not a stall): waits
-  that a pool without fragmentation would not have made (the engine packs the running
-  requests' ranges when the free slots suffice and no free range does: `compactions`);
+  this sample and the one before, with at least two engine steps between them (so that the
+  engine had a step's planning to admit them: a request queued during a long step is not a
+  stall): waits that a pool without fragmentation would not have made (the engine packs the
+  running requests' ranges when the free slots suffice and no free range does: `compactions`);
 - time from submission to the first token (p50, p95, max);
 - resident memory at the first sample, its largest and at the end.
 """
@@ -98,7 +99,7 @@ def main() -> None:
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.in_flight)]
     for thread in threads:
         thread.start()
-    samples, stalls, memory, stalled_before = 0, 0, [], False
+    samples, stalls, memory, stalled_before, steps_before = 0, 0, [], False, 0
     while any(thread.is_alive() for thread in threads):
         time.sleep(1.0)
         stats = engine.stats()
@@ -107,7 +108,11 @@ def main() -> None:
         free = stats.kv_tokens_total - stats.kv_tokens_used
         samples += 1
         stalled = stats.waiting > 0 and free >= largest_waiting > 0
-        stalls += int(stalled and stalled_before)  # two samples in a row: not a request between two steps
+        # Two samples in a row, and the engine planned a step in between: not a request queued
+        # between two steps, nor one waiting for a long step to end.
+        if stalled and not stalled_before:
+            steps_before = stats.steps
+        stalls += int(stalled and stalled_before and stats.steps - steps_before >= 2)
         stalled_before = stalled
         memory.append(rss_mib())
     for thread in threads:
