@@ -57,6 +57,8 @@ def test_teacher_topk_equals_window_in_context(model):
         assert torch.equal(c.topk_ids[:, 0], ids[:, 0])
         if c.kind in ("recall", "cloze"):  # the answer is the chunk's own text (after the cue, or blanked)
             assert model.tokenizer.decode(c.answer) in c.chunk
+        elif c.kind == "verify":
+            assert model.tokenizer.decode(c.answer) in ("Yes", "No")
         else:
             assert c.answer[0] == int(ids[0, 0])  # B answers greedily
 
