@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMPS := $(VENV)/.stamps
-APT_PACKAGES := g++ ccache libsqlite3-dev nlohmann-json3-dev libgtest-dev
+APT_PACKAGES := g++ ccache libsqlite3-dev nlohmann-json3-dev libgtest-dev libpq-dev postgresql
 BUILD_DIR := build/py
 SOURCES := $(shell find cpp -type f) CMakeLists.txt pyproject.toml
 HOST ?= 127.0.0.1
@@ -16,8 +16,10 @@ PORT ?= 8000
 serve: build
 	$(VENV)/bin/cartridges serve --host $(HOST) --port $(PORT)
 
+# One throwaway PostgreSQL server (tests/postgres_server.py) for both suites: the store's tests
+# run on SQLite and on it.
 test: build
-	$(MAKE) test-cpp test-py
+	$(PY) tests/postgres_server.py -- $(MAKE) test-cpp test-py
 
 test-cpp: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j2

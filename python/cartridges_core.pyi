@@ -7,7 +7,7 @@ import datetime
 import torch
 import typing
 import typing_extensions
-__all__: list[str] = ['Adam', 'ApiKeyInfo', 'BlobWriter', 'CacheFullError', 'CancelToken', 'CartridgeCache', 'CartridgeCacheStats', 'CartridgeParams', 'Composition', 'ConflictError', 'ContextLengthError', 'CorruptError', 'DatablockPage', 'DatablockRecord', 'Engine', 'EngineBusyError', 'EngineOptions', 'EngineStats', 'EngineStoppedError', 'Event', 'FilePage', 'FileRecord', 'KVCache', 'KVPrefix', 'LlamaConfig', 'LlamaModel', 'NotFoundError', 'Owner', 'Priority', 'Sampler', 'SamplingParams', 'Store', 'StoreError', 'TrainOptions', 'TrainProgress', 'TrainResult', 'TrainingData', 'User', 'apply_logit_bias', 'channel_lr_scales', 'dequantize_weight', 'distillation_loss_sum', 'filter_top_k', 'filter_top_p', 'layer_lr_scales', 'length_groups', 'tokens_in_front', 'train_cartridge', 'training_order']
+__all__: list[str] = ['Adam', 'ApiKeyInfo', 'BlobWriter', 'CacheFullError', 'CancelToken', 'CartridgeCache', 'CartridgeCacheStats', 'CartridgeParams', 'Composition', 'ConflictError', 'ContextLengthError', 'CorruptError', 'DatablockPage', 'DatablockRecord', 'Engine', 'EngineBusyError', 'EngineOptions', 'EngineStats', 'EngineStoppedError', 'Event', 'FilePage', 'FileRecord', 'KVCache', 'KVPrefix', 'LlamaConfig', 'LlamaModel', 'NotFoundError', 'Owner', 'Priority', 'Sampler', 'SamplingParams', 'Store', 'StoreError', 'TrainOptions', 'TrainProgress', 'TrainResult', 'TrainingData', 'UnavailableError', 'User', 'apply_logit_bias', 'channel_lr_scales', 'dequantize_weight', 'distillation_loss_sum', 'filter_top_k', 'filter_top_p', 'layer_lr_scales', 'length_groups', 'tokens_in_front', 'train_cartridge', 'training_order']
 class Adam:
     def __init__(self, params: collections.abc.Sequence[torch.Tensor], lr: typing.SupportsFloat | typing.SupportsIndex = 0.02, beta1: typing.SupportsFloat | typing.SupportsIndex = 0.9, beta2: typing.SupportsFloat | typing.SupportsIndex = 0.999, eps: typing.SupportsFloat | typing.SupportsIndex = 1e-08, anchor: typing.SupportsFloat | typing.SupportsIndex = 0.0, lr_scales: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] = [], channel_scales: collections.abc.Sequence[torch.Tensor] = []) -> None:
         ...
@@ -741,8 +741,11 @@ class Store:
     """
     SQLite metadata + blob directory; every call takes the owner.
     """
-    def __init__(self, data_dir: str, sync: bool = True, check_at_open: bool = True) -> None:
-        ...
+    def __init__(self, data_dir: str, sync: bool = True, check_at_open: bool = True, database_url: str = '') -> None:
+        """
+        Opens the store: blobs under data_dir, records in SQLite there unless database_url names another
+        database (sqlite:///path.db, or postgresql://user:password@host:port/db shared by replicas).
+        """
     def add_key(self, user_id: typing.SupportsInt | typing.SupportsIndex, key_hash: str, hint: str) -> ApiKeyInfo:
         ...
     def begin_blob(self) -> BlobWriter:
@@ -787,6 +790,10 @@ class Store:
         ...
     def list_users(self) -> list[User]:
         ...
+    def ping(self) -> None:
+        """
+        Checks that the database answers; UnavailableError when it does not.
+        """
     def revoke_key(self, key_id: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
     def set_file_error(self, owner: Owner, file_id: str, details: str) -> None:
@@ -808,6 +815,11 @@ class Store:
     @property
     def data_dir(self) -> str:
         ...
+    @property
+    def database_url(self) -> str:
+        """
+        The database_url it was opened with ("": SQLite in data_dir).
+        """
     @property
     def schema_version(self) -> int:
         ...
@@ -963,6 +975,8 @@ class TrainingData:
     @property
     def topk_logprobs(self) -> torch.Tensor:
         ...
+class UnavailableError(StoreError):
+    pass
 class User:
     @property
     def created_at(self) -> int:

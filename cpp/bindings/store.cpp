@@ -10,13 +10,15 @@ namespace {
 
 using StoreClass = py::class_<Store, std::shared_ptr<Store>>;
 
-// StoreError (RuntimeError) and its subclasses NotFoundError, ConflictError, CorruptError.
+// StoreError (RuntimeError) and its subclasses NotFoundError, ConflictError, CorruptError,
+// UnavailableError.
 void bind_store_errors(py::module_& m) {
   // Translators run newest first, so the subclasses are registered after their base.
   auto& store_error = py::register_exception<StoreError>(m, "StoreError", PyExc_RuntimeError);
   py::register_exception<NotFoundError>(m, "NotFoundError", store_error.ptr());
   py::register_exception<ConflictError>(m, "ConflictError", store_error.ptr());
   py::register_exception<CorruptError>(m, "CorruptError", store_error.ptr());
+  py::register_exception<UnavailableError>(m, "UnavailableError", store_error.ptr());
 }
 
 // What the store's calls take and return: owners, users, keys, file records and pages.
@@ -110,18 +112,25 @@ void bind_datablock_records(py::module_& m) {
 // Opening and closing, users and API keys, blob writers.
 void bind_store_users_and_blobs(StoreClass& store) {
   store
-      .def(py::init([](const std::string& data_dir, bool sync, bool check_at_open) {
+      .def(py::init([](const std::string& data_dir, bool sync, bool check_at_open, const std::string& database_url) {
              StoreOptions options;
              options.data_dir = data_dir;
+             options.database_url = database_url;
              options.sync = sync;
              options.check_at_open = check_at_open;
              py::gil_scoped_release release;
              return std::make_shared<Store>(options);
            }),
-           py::arg("data_dir"), py::arg("sync") = true, py::arg("check_at_open") = true)
+           py::arg("data_dir"), py::arg("sync") = true, py::arg("check_at_open") = true, py::arg("database_url") = "",
+           "Opens the store: blobs under data_dir, records in SQLite there unless database_url names another\n"
+           "database (sqlite:///path.db, or postgresql://user:password@host:port/db shared by replicas).")
       .def("close", &Store::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("data_dir", [](const Store& s) { return s.options().data_dir; })
+      .def_property_readonly("database_url", [](const Store& s) { return s.options().database_url; },
+                             "The database_url it was opened with (\"\": SQLite in data_dir).")
       .def_property_readonly("schema_version", &Store::schema_version)
+      .def("ping", &Store::ping, py::call_guard<py::gil_scoped_release>(),
+           "Checks that the database answers; UnavailableError when it does not.")
       .def_property_readonly("swept_at_open", &Store::swept_at_open)
       .def("create_user", &Store::create_user, py::arg("name"), py::call_guard<py::gil_scoped_release>())
       .def("find_user", &Store::find_user, py::arg("name"), py::call_guard<py::gil_scoped_release>())

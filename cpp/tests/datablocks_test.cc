@@ -1,7 +1,6 @@
 // Store datablocks: ids, isolation, forward-only status, deletion, job scratch directories,
 // fault injection on the cartridge blob.
 #include <gtest/gtest.h>
-#include <sqlite3.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -9,17 +8,21 @@
 
 #include "cartridges/store.h"
 #include "store/blob_io.h"
+#include "test_database.h"
 
 namespace fs = std::filesystem;
 using namespace cartridges;
 
 namespace {
 
-class DatablocksTest : public ::testing::Test {
+// Every case runs on SQLite and on PostgreSQL (test_database.h).
+class DatablocksTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     dir_ = fs::temp_directory_path() /
            ("datablocks_test_" + std::to_string(::getpid()) + "_" + store_io::random_token(8, store_io::kLowerHex));
+    database_ = std::make_unique<store_testing::TestDatabase>(GetParam(), dir_);
+    if (!database_->skip_reason.empty()) GTEST_SKIP() << database_->skip_reason;
     store_ = open();
     alice_ = Owner::user(store_->create_user("alice").id);
     bob_ = Owner::user(store_->create_user("bob").id);
@@ -27,12 +30,14 @@ class DatablocksTest : public ::testing::Test {
   }
   void TearDown() override {
     store_.reset();
+    database_.reset();
     fs::remove_all(dir_);
   }
 
   std::unique_ptr<Store> open() {
     StoreOptions o;
     o.data_dir = dir_.string();
+    o.database_url = database_->url;
     return std::make_unique<Store>(o);
   }
 
@@ -67,12 +72,16 @@ class DatablocksTest : public ::testing::Test {
   }
 
   fs::path dir_;
+  std::unique_ptr<store_testing::TestDatabase> database_;
   std::unique_ptr<Store> store_;
   Owner alice_, bob_;
   std::string file_;
 };
 
-TEST_F(DatablocksTest, CreatedQueuedWithAFullId) {
+INSTANTIATE_TEST_SUITE_P(Backends, DatablocksTest, ::testing::Values("sqlite", "postgresql"),
+                         [](const auto& info) { return info.param; });
+
+TEST_P(DatablocksTest, CreatedQueuedWithAFullId) {
   DatablockRecord d = create(alice_, file_);
   EXPECT_EQ(d.status, "queued");
   EXPECT_EQ(d.run_id.size(), 12u);
@@ -93,7 +102,7 @@ TEST_F(DatablocksTest, CreatedQueuedWithAFullId) {
   EXPECT_NE(create(alice_, file_).run_id, d.run_id);
 }
 
-TEST_F(DatablocksTest, BadSpecsAreRefused) {
+TEST_P(DatablocksTest, BadSpecsAreRefused) {
   EXPECT_THROW(create(alice_, file_, "bad name"), std::invalid_argument);
   EXPECT_THROW(create(alice_, file_, std::string(65, 'x')), std::invalid_argument);
   EXPECT_THROW(create(alice_, "file-doesnotexist"), NotFoundError);
@@ -107,7 +116,7 @@ TEST_F(DatablocksTest, BadSpecsAreRefused) {
   EXPECT_THROW(store_->create_datablock(alice_, spec), std::invalid_argument);
 }
 
-TEST_F(DatablocksTest, OwnersAreIsolated) {
+TEST_P(DatablocksTest, OwnersAreIsolated) {
   DatablockRecord d = create(alice_, file_);
   // Bob cannot train on Alice's file, nor see, change or delete Alice's datablock.
   EXPECT_THROW(create(bob_, file_), NotFoundError);
@@ -134,7 +143,7 @@ TEST_F(DatablocksTest, OwnersAreIsolated) {
   EXPECT_EQ(store_->get_datablock(alice_, d.run_id).status, "queued");
 }
 
-TEST_F(DatablocksTest, StatusMovesOnlyForward) {
+TEST_P(DatablocksTest, StatusMovesOnlyForward) {
   DatablockRecord d = create(alice_, file_);
   // queued: cannot succeed without running, cannot report progress.
   auto w = store_->begin_blob();
@@ -176,7 +185,7 @@ TEST_F(DatablocksTest, StatusMovesOnlyForward) {
   EXPECT_THROW(store_->start_datablock(alice_, done.run_id, "fp"), ConflictError);
 }
 
-TEST_F(DatablocksTest, StartRecordsWhatTheConfigLeftToTheCorpus) {
+TEST_P(DatablocksTest, StartRecordsWhatTheConfigLeftToTheCorpus) {
   NewDatablock spec;
   spec.model = "tiny";
   spec.training_files = {file_};
@@ -198,18 +207,14 @@ TEST_F(DatablocksTest, StartRecordsWhatTheConfigLeftToTheCorpus) {
   EXPECT_EQ(resumed.attempts, 2);
 }
 
-TEST_F(DatablocksTest, TheDatabaseItselfRefusesABackwardStatus) {
+TEST_P(DatablocksTest, TheDatabaseItselfRefusesABackwardStatus) {
   DatablockRecord d = succeed(alice_, create(alice_, file_).run_id, "x");
   store_.reset();
-  sqlite3* db = nullptr;
-  ASSERT_EQ(sqlite3_open((dir_ / "store.db").c_str(), &db), SQLITE_OK);
-  std::string sql = "UPDATE datablocks SET status = 'running' WHERE run_id = '" + d.run_id + "'";
-  EXPECT_NE(sqlite3_exec(db, sql.c_str(), nullptr, nullptr, nullptr), SQLITE_OK);
-  EXPECT_NE(std::string(sqlite3_errmsg(db)).find("forward"), std::string::npos);
-  sqlite3_close(db);
+  std::string error = database_->exec("UPDATE datablocks SET status = 'running' WHERE run_id = '" + d.run_id + "'");
+  EXPECT_NE(error.find("forward"), std::string::npos) << error;
 }
 
-TEST_F(DatablocksTest, ListsWithStatusFilterAndCursor) {
+TEST_P(DatablocksTest, ListsWithStatusFilterAndCursor) {
   std::vector<std::string> ids;
   for (int i = 0; i < 5; ++i) ids.push_back(create(alice_, file_).run_id);
   store_->cancel_datablock(alice_, ids[1]);
@@ -236,7 +241,7 @@ TEST_F(DatablocksTest, ListsWithStatusFilterAndCursor) {
   EXPECT_THROW(store_->list_datablocks(alice_, q), std::invalid_argument);
 }
 
-TEST_F(DatablocksTest, DeleteRemovesRowBlobAndScratch) {
+TEST_P(DatablocksTest, DeleteRemovesRowBlobAndScratch) {
   DatablockRecord done = succeed(alice_, create(alice_, file_).run_id, "tensors");
   const size_t with_cartridge = blob_count();
   DatablockRecord running = create(alice_, file_);
@@ -253,7 +258,7 @@ TEST_F(DatablocksTest, DeleteRemovesRowBlobAndScratch) {
   EXPECT_THROW(store_->delete_datablock(alice_, done.run_id), NotFoundError);
 }
 
-TEST_F(DatablocksTest, DeletingATrainingFileKeepsTheDatablock) {
+TEST_P(DatablocksTest, DeletingATrainingFileKeepsTheDatablock) {
   DatablockRecord done = succeed(alice_, create(alice_, file_).run_id, "self-contained");
   store_->delete_file(alice_, file_);
   DatablockRecord after = store_->get_datablock(alice_, done.run_id);
@@ -263,7 +268,7 @@ TEST_F(DatablocksTest, DeletingATrainingFileKeepsTheDatablock) {
   store_->verify_datablock(alice_, done.run_id);
 }
 
-TEST_F(DatablocksTest, ScratchDirectoriesLiveOnlyWithTheirJob) {
+TEST_P(DatablocksTest, ScratchDirectoriesLiveOnlyWithTheirJob) {
   DatablockRecord a = create(alice_, file_);
   DatablockRecord b = create(alice_, file_);
   store_->start_datablock(alice_, a.run_id, "fp");
@@ -284,7 +289,7 @@ TEST_F(DatablocksTest, ScratchDirectoriesLiveOnlyWithTheirJob) {
   EXPECT_FALSE(fs::exists(dir_ / "jobs" / b.run_id));
 }
 
-TEST_F(DatablocksTest, CrashBeforeRecordingACartridgeLeavesNothingVisible) {
+TEST_P(DatablocksTest, CrashBeforeRecordingACartridgeLeavesNothingVisible) {
   DatablockRecord d = create(alice_, file_);
   store_->start_datablock(alice_, d.run_id, "fp");
   const size_t before = blob_count();
@@ -302,7 +307,7 @@ TEST_F(DatablocksTest, CrashBeforeRecordingACartridgeLeavesNothingVisible) {
   EXPECT_THROW(store_->datablock_cartridge_path(alice_, d.run_id), ConflictError);
 }
 
-TEST_F(DatablocksTest, DamagedCartridgesAreReportedAndOthersStillRead) {
+TEST_P(DatablocksTest, DamagedCartridgesAreReportedAndOthersStillRead) {
   DatablockRecord truncated = succeed(alice_, create(alice_, file_).run_id, "0123456789");
   DatablockRecord flipped = succeed(alice_, create(alice_, file_).run_id, "abcdefghij");
   DatablockRecord removed = succeed(alice_, create(alice_, file_).run_id, "klmnopqrst");
@@ -337,7 +342,7 @@ TEST_F(DatablocksTest, DamagedCartridgesAreReportedAndOthersStillRead) {
 
 }  // namespace
 
-TEST_F(DatablocksTest, ImportedCartridgesAreSucceededAtOnce) {
+TEST_P(DatablocksTest, ImportedCartridgesAreSucceededAtOnce) {
   NewDatablock spec;
   spec.project = "imported";
   spec.model = "tiny";

@@ -2,32 +2,40 @@
 #include "cartridges/store.h"
 
 #include <gtest/gtest.h>
-#include <sqlite3.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 #include <random>
 #include <set>
+#include <thread>
 
 #include "store/blob_io.h"
+#include "test_database.h"
 
 namespace fs = std::filesystem;
 using namespace cartridges;
 
 namespace {
 
-class StoreTest : public ::testing::Test {
+// Every case runs on SQLite and on PostgreSQL (test_database.h).
+class StoreTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     dir_ = fs::temp_directory_path() /
            ("store_test_" + std::to_string(::getpid()) + "_" + store_io::random_token(8, store_io::kLowerHex));
+    database_ = std::make_unique<store_testing::TestDatabase>(GetParam(), dir_);
+    if (!database_->skip_reason.empty()) GTEST_SKIP() << database_->skip_reason;
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override {
+    database_.reset();
+    fs::remove_all(dir_);
+  }
 
   std::unique_ptr<Store> open(bool check = true) {
     StoreOptions o;
     o.data_dir = dir_.string();
+    o.database_url = database_->url;
     o.check_at_open = check;
     return std::make_unique<Store>(o);
   }
@@ -54,7 +62,11 @@ class StoreTest : public ::testing::Test {
   }
 
   fs::path dir_;
+  std::unique_ptr<store_testing::TestDatabase> database_;
 };
+
+INSTANTIATE_TEST_SUITE_P(Backends, StoreTest, ::testing::Values("sqlite", "postgresql"),
+                         [](const auto& info) { return info.param; });
 
 TEST(StoreIo, Crc32MatchesKnownVector) {
   const std::string s = "123456789";
@@ -75,7 +87,7 @@ TEST(StoreIo, RandomTokenUsesAlphabet) {
   EXPECT_NE(store_io::random_token(24, store_io::kAlphanumeric), store_io::random_token(24, store_io::kAlphanumeric));
 }
 
-TEST_F(StoreTest, MigratesAndReopens) {
+TEST_P(StoreTest, MigratesAndReopens) {
   {
     auto s = open();
     EXPECT_EQ(s->schema_version(), 2);
@@ -87,12 +99,11 @@ TEST_F(StoreTest, MigratesAndReopens) {
   EXPECT_FALSE(s->find_user("bob"));
 }
 
-TEST_F(StoreTest, RefusesNewerSchema) {
+TEST_P(StoreTest, RefusesNewerSchema) {
   open().reset();
-  sqlite3* db = nullptr;
-  ASSERT_EQ(sqlite3_open((dir_ / "store.db").c_str(), &db), SQLITE_OK);
-  ASSERT_EQ(sqlite3_exec(db, "PRAGMA user_version = 99", nullptr, nullptr, nullptr), SQLITE_OK);
-  sqlite3_close(db);
+  ASSERT_EQ(database_->exec(database_->postgres() ? "UPDATE cartridges_schema SET version = 99"
+                                                  : "PRAGMA user_version = 99"),
+            "");
   try {
     open();
     FAIL() << "expected StoreError";
@@ -101,7 +112,74 @@ TEST_F(StoreTest, RefusesNewerSchema) {
   }
 }
 
-TEST_F(StoreTest, UsersAndKeys) {
+// Replicas: several stores open the same database at once (the migrations run once, under
+// the schema lock) and write concurrently; each sees the others' records.
+TEST_P(StoreTest, StoresOpenedAtOnceShareTheDatabase) {
+  constexpr int kStores = 4;
+  constexpr int kUsersEach = 10;
+  std::vector<std::unique_ptr<Store>> stores(kStores);
+  std::vector<std::string> errors(kStores);
+  {
+    std::vector<std::thread> threads;
+    for (int i = 0; i < kStores; ++i) {
+      threads.emplace_back([&, i] {
+        try {
+          stores[static_cast<size_t>(i)] = open();
+          for (int u = 0; u < kUsersEach; ++u) {
+            stores[static_cast<size_t>(i)]->create_user("s" + std::to_string(i) + "u" + std::to_string(u));
+          }
+        } catch (const std::exception& e) {
+          errors[static_cast<size_t>(i)] = e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+  std::set<int64_t> ids;
+  for (const auto& s : stores) {
+    ASSERT_TRUE(s);
+    EXPECT_EQ(s->schema_version(), 2);
+    auto users = s->list_users();
+    EXPECT_EQ(users.size(), static_cast<size_t>(kStores * kUsersEach));
+    for (const auto& u : users) ids.insert(u.id);
+  }
+  EXPECT_EQ(ids.size(), static_cast<size_t>(kStores * kUsersEach));
+  // A file recorded through one store is read through another (same data directory).
+  Owner a = Owner::user(stores[0]->find_user("s0u0")->id);
+  FileRecord f = put(*stores[0], a, "shared");
+  EXPECT_EQ(slurp(stores[3]->file_content_path(a, f.id)), "shared");
+  stores[2]->delete_file(a, f.id);
+  EXPECT_THROW(stores[1]->get_file(a, f.id), NotFoundError);
+}
+
+TEST(StoreDatabaseUrl, UnreachableServerIsUnavailableAndBadUrlsAreRefused) {
+  const fs::path dir = fs::temp_directory_path() / ("store_url_test_" + std::to_string(::getpid()));
+  StoreOptions o;
+  o.data_dir = dir.string();
+  o.database_url = "postgresql://nobody:secret@127.0.0.1:1/nothing";
+  try {
+    Store s(o);
+    FAIL() << "expected UnavailableError";
+  } catch (const UnavailableError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("cannot reach the database postgresql://127.0.0.1:1/nothing"), std::string::npos) << what;
+    EXPECT_EQ(what.find("secret"), std::string::npos) << "the password leaked: " << what;
+  }
+  o.database_url = "mysql://somewhere/db";
+  EXPECT_THROW(Store{o}, std::invalid_argument);
+  // sqlite:///path names the SQLite file.
+  o.database_url = "sqlite://" + (dir / "elsewhere.db").string();
+  {
+    Store s(o);
+    s.create_user("alice");
+  }
+  EXPECT_TRUE(fs::exists(dir / "elsewhere.db"));
+  EXPECT_FALSE(fs::exists(dir / "store.db"));
+  fs::remove_all(dir);
+}
+
+TEST_P(StoreTest, UsersAndKeys) {
   auto s = open();
   User alice = s->create_user("alice");
   EXPECT_THROW(s->create_user("alice"), ConflictError);
@@ -124,7 +202,7 @@ TEST_F(StoreTest, UsersAndKeys) {
   EXPECT_EQ(s->list_users().size(), 1u);
 }
 
-TEST_F(StoreTest, FileRoundTrip) {
+TEST_P(StoreTest, FileRoundTrip) {
   auto s = open();
   Owner a = Owner::user(s->create_user("a").id);
   FileRecord f = put(*s, a, "hello world", "notes.txt", "cartridge-training");
@@ -152,7 +230,7 @@ TEST_F(StoreTest, FileRoundTrip) {
   EXPECT_TRUE(fs::is_empty(dir_ / "blobs" / "tmp"));
 }
 
-TEST_F(StoreTest, OwnersAreIsolated) {
+TEST_P(StoreTest, OwnersAreIsolated) {
   auto s = open();
   Owner a = Owner::user(s->create_user("a").id);
   Owner b = Owner::user(s->create_user("b").id);
@@ -197,7 +275,7 @@ TEST_F(StoreTest, OwnersAreIsolated) {
   EXPECT_THROW(s->get_file(a, f.id), NotFoundError);
 }
 
-TEST_F(StoreTest, CursorPagination) {
+TEST_P(StoreTest, CursorPagination) {
   auto s = open();
   Owner a = Owner::user(s->create_user("a").id);
   std::vector<std::string> ids;
@@ -238,7 +316,7 @@ TEST_F(StoreTest, CursorPagination) {
   EXPECT_THROW(s->list_files(a, bad), std::invalid_argument);
 }
 
-TEST_F(StoreTest, AbortedAndDroppedWritesLeaveNothing) {
+TEST_P(StoreTest, AbortedAndDroppedWritesLeaveNothing) {
   auto s = open();
   {
     auto w = s->begin_blob();
@@ -255,7 +333,7 @@ TEST_F(StoreTest, AbortedAndDroppedWritesLeaveNothing) {
   EXPECT_THROW(s->list_users(), StoreError);
 }
 
-TEST_F(StoreTest, SweepRemovesLeftoversOfACrash) {
+TEST_P(StoreTest, SweepRemovesLeftoversOfACrash) {
   std::string kept_id;
   Owner a;
   {
@@ -273,7 +351,7 @@ TEST_F(StoreTest, SweepRemovesLeftoversOfACrash) {
   EXPECT_EQ(slurp(s->file_content_path(a, kept_id)), "keep me");
 }
 
-TEST_F(StoreTest, NoSweepWhileAnotherStoreIsOpen) {
+TEST_P(StoreTest, NoSweepWhileAnotherStoreIsOpen) {
   auto first = open();
   auto w = first->begin_blob();
   w->write("in flight", 9);
@@ -286,7 +364,7 @@ TEST_F(StoreTest, NoSweepWhileAnotherStoreIsOpen) {
 
 // ---- fault injection: damaged blobs and databases give clear errors, never a crash ----
 
-TEST_F(StoreTest, DamagedBlobsAreReportedAndOthersStillRead) {
+TEST_P(StoreTest, DamagedBlobsAreReportedAndOthersStillRead) {
   auto s = open();
   Owner a = Owner::user(s->create_user("a").id);
   FileRecord truncated = put(*s, a, "0123456789");
@@ -327,7 +405,8 @@ TEST_F(StoreTest, DamagedBlobsAreReportedAndOthersStillRead) {
   EXPECT_EQ(s->list_files(a, {}).data.size(), 3u);
 }
 
-TEST_F(StoreTest, TruncatedDatabaseIsAClearError) {
+TEST_P(StoreTest, TruncatedDatabaseIsAClearError) {
+  if (database_->postgres()) GTEST_SKIP() << "damage to SQLite's own file";
   {
     auto s = open();
     for (int i = 0; i < 50; ++i) s->create_user("user" + std::to_string(i));
@@ -342,7 +421,8 @@ TEST_F(StoreTest, TruncatedDatabaseIsAClearError) {
       StoreError);
 }
 
-TEST_F(StoreTest, GarbageDatabaseIsACorruptError) {
+TEST_P(StoreTest, GarbageDatabaseIsACorruptError) {
+  if (database_->postgres()) GTEST_SKIP() << "damage to SQLite's own file";
   open().reset();
   {
     std::ofstream out(dir_ / "store.db", std::ios::binary | std::ios::trunc);
@@ -357,7 +437,8 @@ TEST_F(StoreTest, GarbageDatabaseIsACorruptError) {
   }
 }
 
-TEST_F(StoreTest, DamagedPageFoundByTheCheckAtOpen) {
+TEST_P(StoreTest, DamagedPageFoundByTheCheckAtOpen) {
+  if (database_->postgres()) GTEST_SKIP() << "damage to SQLite's own file";
   {
     auto s = open();
     Owner a = Owner::user(s->create_user("a").id);

@@ -16,6 +16,13 @@ def core() -> Any:
     return cartridges_core
 
 
-def open_store(data_dir: str | Path, *, sync: bool = True) -> Any:
-    """Opens (creating if needed) the store under data_dir: migrations applied, leftovers swept."""
-    return core().Store(str(Path(data_dir)), sync=sync)
+# The environment variable that names the store's database (Settings.database_url); training
+# workers get it from their server this way, never on their command line (it may hold a password).
+DATABASE_URL_ENV = "CARTRIDGES_DATABASE_URL"
+
+
+def open_store(data_dir: str | Path, *, sync: bool = True, database_url: str | None = None) -> Any:
+    """Opens (creating if needed) the store under data_dir: migrations applied, leftovers swept.
+    Records live in SQLite under data_dir unless `database_url` names another database
+    ("sqlite:///path.db", or "postgresql://user:password@host:port/db" shared by replicas)."""
+    return core().Store(str(Path(data_dir)), sync=sync, database_url=database_url or "")

@@ -112,9 +112,9 @@ class LiveServer:
     def add_user(self, name: str | None = None) -> str:
         """A new user with a key, created through the store while the server runs."""
         from cartridges.server.keys import create_key
-        from cartridges.store import open_store
+        from cartridges.store import DATABASE_URL_ENV, open_store
 
-        store = open_store(self.data_dir)
+        store = open_store(self.data_dir, database_url=self.env.get(DATABASE_URL_ENV))
         try:
             return create_key(store, name or f"user-{uuid.uuid4().hex[:12]}")
         finally:

@@ -5,6 +5,7 @@ times ends `failed/interrupted`."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -120,3 +121,20 @@ def test_a_job_interrupted_too_often_ends_failed_interrupted(store, tiny_model_d
         supervisor.stop()
     record = store.get_datablock(owner, run_id)
     assert (record.status, record.error_code) == ("failed", "interrupted")
+
+
+def test_a_job_held_by_another_servers_worker_is_passed_over(store, tiny_model_dir: Path) -> None:
+    """Servers sharing a store: a supervisor does not start a worker for a job whose lock another
+    server's worker holds (it would only exit busy, over and over), and takes it once released."""
+    from cartridges.jobs.worker import _lock_job
+
+    _, _, held = queue_job(store, tiny_model_dir)
+    supervisor = Supervisor(store, store.data_dir)
+    admin = core().Owner(0, True)
+    fd = _lock_job(store.job_dir(admin, held))
+    assert fd is not None
+    try:
+        assert supervisor._next_job() is None
+    finally:
+        os.close(fd)
+    assert supervisor._next_job().run_id == held

@@ -1,9 +1,13 @@
 #pragma once
-// Persistent state of the service: one SQLite database and a directory of blobs.
+// Persistent state of the service: one database (SQLite in the data directory, or a
+// PostgreSQL server that several replicas share: StoreOptions::database_url) and a
+// directory of blobs.
 //
 // Layout under StoreOptions::data_dir:
-//   store.db (+ -wal, -shm)  metadata; WAL mode, foreign keys on, migrations numbered in
-//                            code and applied at open (PRAGMA user_version = last applied)
+//   store.db (+ -wal, -shm)  metadata when no database_url names another database; WAL mode,
+//                            foreign keys on, migrations numbered in code and applied at
+//                            open (PRAGMA user_version = last applied; in PostgreSQL the
+//                            table cartridges_schema, under an advisory lock)
 //   store.lock               flock: shared while a Store is open; the sweep at open runs
 //                            only when no other Store (any process) has the directory open
 //   blobs/<blob_id>          immutable contents, recorded in table `blobs` (size, CRC-32)
@@ -33,9 +37,11 @@
 #include <string>
 #include <vector>
 
-struct sqlite3;
-
 namespace cartridges {
+
+namespace sql {
+class Connection;
+}
 
 // Every failure of the store. Subclasses say what the caller can do about it.
 class StoreError : public std::runtime_error {
@@ -59,15 +65,25 @@ class CorruptError : public StoreError {
   using StoreError::StoreError;
 };
 
+// The database cannot be reached now (a PostgreSQL server down, a connection lost, a lock or
+// statement timeout); retrying later may succeed. Nothing was changed by the failed call.
+class UnavailableError : public StoreError {
+ public:
+  using StoreError::StoreError;
+};
+
 struct StoreOptions {
   // Directory holding store.db and blobs/; created if missing. Required.
   std::string data_dir;
+  // Where the metadata lives: "" (SQLite at data_dir/store.db), "sqlite:///abs/path.db" (SQLite
+  // at that file) or "postgresql://user:password@host:port/db" (or "postgres://...").
+  std::string database_url;
   // fsync each blob before its rename and the directory after it. Default true; turn it off
   // only for throwaway stores (bulk loads in benchmarks), never for a server.
   bool sync = true;
   // How long a statement waits for a lock held by another process, in ms. Default 5000.
   int busy_timeout_ms = 5000;
-  // Run `PRAGMA quick_check` at open and refuse a damaged database. Default true.
+  // Run `PRAGMA quick_check` at open and refuse a damaged database (SQLite). Default true.
   bool check_at_open = true;
 };
 
@@ -209,6 +225,9 @@ class Store {
   void close();
   const StoreOptions& options() const { return options_; }
   int schema_version();
+  // Checks that the database answers, re-establishing a dropped connection (UnavailableError
+  // when it cannot).
+  void ping();
   // How many leftovers (temporaries, unrecorded blobs) the sweep at open removed.
   int64_t swept_at_open() const { return swept_; }
 
@@ -295,7 +314,7 @@ class Store {
     int64_t bytes;
     uint32_t crc;
   };
-  sqlite3* db();  // the open connection, or StoreError
+  sql::Connection& db();  // the open connection, or StoreError
   void migrate();
   int64_t sweep();
   BlobRef commit_blob(BlobWriter& writer);  // rename into blobs/ (not yet recorded)
@@ -327,7 +346,7 @@ class Store {
 
   StoreOptions options_;
   std::mutex mutex_;
-  sqlite3* db_ = nullptr;
+  std::unique_ptr<sql::Connection> db_;
   int lock_fd_ = -1;
   int64_t swept_ = 0;
 };

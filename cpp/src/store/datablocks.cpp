@@ -10,7 +10,7 @@
 #include "cartridges/store.h"
 #include "store/blob_io.h"
 #include "store/common.h"
-#include "store/sqlite.h"
+#include "store/sql.h"
 
 namespace cartridges {
 
@@ -107,7 +107,7 @@ int64_t Store::sweep_job_dirs() {
   }
   int64_t removed = 0;
   for (const auto& name : names) {
-    Stmt s(db_, "SELECT 1 FROM datablocks WHERE run_id = ?1 AND status IN ('queued', 'running')");
+    Stmt s(*db_, "SELECT 1 FROM datablocks WHERE run_id = ?1 AND status IN ('queued', 'running')");
     s.bind(1, name);
     if (s.step()) continue;
     std::error_code error;
@@ -152,7 +152,7 @@ std::string Store::insert_datablock_locked(const Owner& owner, const NewDatabloc
   checked_json_object(spec.config, "config");
   if (spec.num_tokens < 0) throw std::invalid_argument("num_tokens must be non-negative (0: decided by the job)");
   for (const auto& file_id : spec.training_files) {
-    Stmt f(db_, "SELECT 1 FROM files WHERE id = ?1 AND (?2 OR owner_id = ?3)");
+    Stmt f(*db_, "SELECT 1 FROM files WHERE id = ?1 AND (?2 OR owner_id = ?3)");
     f.bind(1, file_id).bind(2, int64_t{owner.admin}).bind(3, owner.user_id);
     if (!f.step()) throw NotFoundError("No such file: '" + file_id + "'");
   }
@@ -160,7 +160,7 @@ std::string Store::insert_datablock_locked(const Owner& owner, const NewDatabloc
   for (int attempt = 0;; ++attempt) {
     const std::string run_id = store_io::random_token(kRunIdChars, kLowerAlphanumeric);
     try {
-      Stmt(db_,
+      Stmt(*db_,
            "INSERT INTO datablocks (run_id, owner_id, project, model, model_path, training_files, config, status, "
            "progress, metrics, num_tokens, created_at, updated_at) "
            "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'queued', ?8, '{}', ?9, ?10, ?10)")
@@ -206,10 +206,10 @@ DatablockPage Store::list_datablocks(const Owner& owner, const DatablockQuery& q
     if (!c.step()) throw NotFoundError(datablock_not_found(*query.after));
     cursor = std::make_pair(c.int64(0), c.int64(1));
   }
-  std::string where = "WHERE 1";
+  std::string where = "WHERE TRUE";
   if (!owner.admin) where += " AND d.owner_id = ?1";
   if (query.status) where += " AND d.status = ?2";
-  Stmt s(db_, (kDatablockSelect + where + store_common::page_clause("d.", cursor.has_value(), query.descending)).c_str());
+  Stmt s(*db_, (kDatablockSelect + where + store_common::page_clause("d.", cursor.has_value(), query.descending)).c_str());
   if (!owner.admin) s.bind(1, owner.user_id);
   if (query.status) s.bind(2, *query.status);
   if (cursor) s.bind(4, cursor->first).bind(5, cursor->second);
@@ -230,11 +230,11 @@ void Store::delete_datablock(const Owner& owner, const std::string& id) {
     std::lock_guard<std::mutex> lock(mutex_);
     Transaction tx(db());
     run_id = get_datablock_locked(owner, id).run_id;
-    Stmt s(db_, "SELECT blob_id FROM datablocks WHERE run_id = ?1");
+    Stmt s(*db_, "SELECT blob_id FROM datablocks WHERE run_id = ?1");
     s.bind(1, run_id).step();
     blob_id = s.opt_text(0);
-    Stmt(db_, "DELETE FROM datablocks WHERE run_id = ?1").bind(1, run_id).run();
-    if (blob_id) Stmt(db_, "DELETE FROM blobs WHERE id = ?1").bind(1, *blob_id).run();
+    Stmt(*db_, "DELETE FROM datablocks WHERE run_id = ?1").bind(1, run_id).run();
+    if (blob_id) Stmt(*db_, "DELETE FROM blobs WHERE id = ?1").bind(1, *blob_id).run();
     tx.commit();
   }
   if (blob_id) remove_blob_file(*blob_id);
@@ -248,7 +248,7 @@ DatablockRecord Store::transition_locked(const Owner& owner, const std::string& 
   if (std::find(from.begin(), from.end(), current.status) == from.end()) {
     throw ConflictError("datablock '" + current.id() + "' is " + current.status + "; it cannot become " + to);
   }
-  Stmt update(db_, ("UPDATE datablocks SET status = ?2, updated_at = ?3" + assignments + " WHERE run_id = ?1").c_str());
+  Stmt update(*db_, ("UPDATE datablocks SET status = ?2, updated_at = ?3" + assignments + " WHERE run_id = ?1").c_str());
   update.bind(1, current.run_id).bind(2, to).bind(3, store_common::now());
   for (size_t i = 0; i < texts.size(); ++i) update.bind(static_cast<int>(i) + 4, texts[i]);
   update.run();
@@ -267,7 +267,7 @@ DatablockRecord Store::start_datablock(const Owner& owner, const std::string& id
                                              {fingerprint});
   if (!config.empty() || num_tokens > 0) {
     // What the config left to the corpus, decided now that the job has read its files.
-    Stmt(db_, "UPDATE datablocks SET config = CASE WHEN ?2 = '' THEN config ELSE ?2 END, "
+    Stmt(*db_, "UPDATE datablocks SET config = CASE WHEN ?2 = '' THEN config ELSE ?2 END, "
               "num_tokens = CASE WHEN ?3 > 0 THEN ?3 ELSE num_tokens END WHERE run_id = ?1")
         .bind(1, record.run_id)
         .bind(2, config)
@@ -354,7 +354,7 @@ std::string Store::job_dir(const Owner& owner, const std::string& id) {
 
 Store::BlobRef Store::datablock_blob_locked(const Owner& owner, const std::string& id) {
   DatablockRecord record = get_datablock_locked(owner, id);
-  Stmt s(db_, "SELECT b.id, b.bytes, b.crc32 FROM datablocks d JOIN blobs b ON b.id = d.blob_id WHERE d.run_id = ?1");
+  Stmt s(*db_, "SELECT b.id, b.bytes, b.crc32 FROM datablocks d JOIN blobs b ON b.id = d.blob_id WHERE d.run_id = ?1");
   s.bind(1, record.run_id);
   if (record.status != "succeeded" || !s.step()) {
     throw ConflictError("datablock '" + record.id() + "' has no cartridge (status: " + record.status + ")");

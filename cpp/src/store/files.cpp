@@ -6,7 +6,7 @@
 #include "cartridges/store.h"
 #include "store/blob_io.h"
 #include "store/common.h"
-#include "store/sqlite.h"
+#include "store/sql.h"
 
 namespace cartridges {
 
@@ -56,7 +56,7 @@ FileRecord Store::create_file(const Owner& owner, BlobWriter& content, const std
   std::lock_guard<std::mutex> lock(mutex_);
   Transaction tx(db());
   insert_blob_locked(blob);
-  Stmt(db_,
+  Stmt(*db_,
        "INSERT INTO files (id, owner_id, filename, purpose, bytes, created_at, status, blob_id) "
        "VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'uploaded', ?7)")
       .bind(1, f.id)
@@ -95,12 +95,12 @@ FilePage Store::list_files(const Owner& owner, const FileQuery& query) {
     cursor = std::make_pair(c.int64(0), c.int64(1));
   }
   // Separate statements for users and admin let SQLite use the matching index.
-  std::string sql = std::string("SELECT ") + kFileColumns + " FROM files WHERE 1";
+  std::string sql = std::string("SELECT ") + kFileColumns + " FROM files WHERE TRUE";
   if (!owner.admin) sql += " AND owner_id = ?1";
   if (query.purpose) sql += " AND purpose = ?2";
   if (query.status) sql += " AND status = ?3";
   sql += store_common::page_clause("", cursor.has_value(), query.descending);
-  Stmt s(db_, sql.c_str());
+  Stmt s(*db_, sql.c_str());
   if (!owner.admin) s.bind(1, owner.user_id);
   if (query.purpose) s.bind(2, *query.purpose);
   if (query.status) s.bind(3, *query.status);
@@ -120,13 +120,13 @@ void Store::delete_file(const Owner& owner, const std::string& id) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     Transaction tx(db());
-    Stmt s(db_, "SELECT blob_id, text_blob_id FROM files WHERE id = ?1 AND (?2 OR owner_id = ?3)");
+    Stmt s(*db_, "SELECT blob_id, text_blob_id FROM files WHERE id = ?1 AND (?2 OR owner_id = ?3)");
     s.bind(1, id).bind(2, int64_t{owner.admin}).bind(3, owner.user_id);
     if (!s.step()) throw NotFoundError(file_not_found(id));
     blob_ids.push_back(s.text(0));
     if (auto text = s.opt_text(1)) blob_ids.push_back(*text);
-    Stmt(db_, "DELETE FROM files WHERE id = ?1").bind(1, id).run();
-    for (const auto& b : blob_ids) Stmt(db_, "DELETE FROM blobs WHERE id = ?1").bind(1, b).run();
+    Stmt(*db_, "DELETE FROM files WHERE id = ?1").bind(1, id).run();
+    for (const auto& b : blob_ids) Stmt(*db_, "DELETE FROM blobs WHERE id = ?1").bind(1, b).run();
     tx.commit();
   }
   for (const auto& b : blob_ids) remove_blob_file(b);
@@ -145,7 +145,7 @@ void Store::set_file_processed(const Owner& owner, const std::string& id, const 
   {
     std::lock_guard<std::mutex> lock(mutex_);
     Transaction tx(db());
-    Stmt s(db_, "SELECT text_blob_id FROM files WHERE id = ?1 AND (?2 OR owner_id = ?3)");
+    Stmt s(*db_, "SELECT text_blob_id FROM files WHERE id = ?1 AND (?2 OR owner_id = ?3)");
     s.bind(1, id).bind(2, int64_t{owner.admin}).bind(3, owner.user_id);
     if (!s.step()) throw NotFoundError(file_not_found(id));  // e.g. deleted while processing
     old_text = s.opt_text(0);
@@ -154,11 +154,11 @@ void Store::set_file_processed(const Owner& owner, const std::string& id, const 
       insert_blob_locked(*blob);
       new_text = blob->id;
     }
-    Stmt(db_, "UPDATE files SET status = 'processed', status_details = NULL, text_blob_id = ?2 WHERE id = ?1")
+    Stmt(*db_, "UPDATE files SET status = 'processed', status_details = NULL, text_blob_id = ?2 WHERE id = ?1")
         .bind(1, id)
         .bind(2, new_text)
         .run();
-    if (old_text) Stmt(db_, "DELETE FROM blobs WHERE id = ?1").bind(1, *old_text).run();
+    if (old_text) Stmt(*db_, "DELETE FROM blobs WHERE id = ?1").bind(1, *old_text).run();
     tx.commit();
   }
   if (guard) guard->disarm();
@@ -170,15 +170,15 @@ void Store::set_file_error(const Owner& owner, const std::string& id, const std:
   {
     std::lock_guard<std::mutex> lock(mutex_);
     Transaction tx(db());
-    Stmt s(db_, "SELECT text_blob_id FROM files WHERE id = ?1 AND (?2 OR owner_id = ?3)");
+    Stmt s(*db_, "SELECT text_blob_id FROM files WHERE id = ?1 AND (?2 OR owner_id = ?3)");
     s.bind(1, id).bind(2, int64_t{owner.admin}).bind(3, owner.user_id);
     if (!s.step()) throw NotFoundError(file_not_found(id));
     old_text = s.opt_text(0);
-    Stmt(db_, "UPDATE files SET status = 'error', status_details = ?2, text_blob_id = NULL WHERE id = ?1")
+    Stmt(*db_, "UPDATE files SET status = 'error', status_details = ?2, text_blob_id = NULL WHERE id = ?1")
         .bind(1, id)
         .bind(2, details)
         .run();
-    if (old_text) Stmt(db_, "DELETE FROM blobs WHERE id = ?1").bind(1, *old_text).run();
+    if (old_text) Stmt(*db_, "DELETE FROM blobs WHERE id = ?1").bind(1, *old_text).run();
     tx.commit();
   }
   if (old_text) remove_blob_file(*old_text);

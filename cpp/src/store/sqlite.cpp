@@ -1,10 +1,16 @@
-#include "store/sqlite.h"
+// The store's SQLite connection: the embedded default, one file in the data directory.
+#include <sqlite3.h>
 
 #include "cartridges/store.h"
+#include "store/sql.h"
 
 namespace cartridges::sql {
 
-void fail(sqlite3* db, int rc, const std::string& context) {
+namespace {
+
+// Throws the StoreError subclass matching SQLite's result code: ConflictError for a unique
+// constraint, CorruptError for a damaged database file, StoreError otherwise.
+[[noreturn]] void fail(sqlite3* db, int rc, const std::string& context) {
   std::string message = context + ": " + (db ? sqlite3_errmsg(db) : sqlite3_errstr(rc));
   int primary = rc & 0xFF;
   if (rc == SQLITE_CONSTRAINT_UNIQUE || rc == SQLITE_CONSTRAINT_PRIMARYKEY) throw ConflictError(message);
@@ -12,70 +18,106 @@ void fail(sqlite3* db, int rc, const std::string& context) {
   throw StoreError(message);
 }
 
-void exec(sqlite3* db, const char* sql) {
-  char* error = nullptr;
-  int rc = sqlite3_exec(db, sql, nullptr, nullptr, &error);
-  sqlite3_free(error);
-  if (rc != SQLITE_OK) fail(db, sqlite3_extended_errcode(db), "sql failed");
-}
+class SqliteCursor final : public Cursor {
+ public:
+  SqliteCursor(sqlite3* db, const std::string& sql) : db_(db) {
+    int rc = sqlite3_prepare_v2(db, sql.c_str(), static_cast<int>(sql.size()), &stmt_, nullptr);
+    if (rc != SQLITE_OK) fail(db, sqlite3_extended_errcode(db), "prepare failed");
+  }
+  ~SqliteCursor() override { sqlite3_finalize(stmt_); }
 
-Stmt::Stmt(sqlite3* db, const char* sql) : db_(db) {
-  int rc = sqlite3_prepare_v2(db, sql, -1, &stmt_, nullptr);
-  if (rc != SQLITE_OK) fail(db, sqlite3_extended_errcode(db), "prepare failed");
-}
+  void bind_int64(int index, int64_t value) override { check(sqlite3_bind_int64(stmt_, index, value)); }
+  void bind_text(int index, const std::string& value) override {
+    check(sqlite3_bind_text(stmt_, index, value.data(), static_cast<int>(value.size()), SQLITE_TRANSIENT));
+  }
+  void bind_null(int index) override { check(sqlite3_bind_null(stmt_, index)); }
 
-Stmt::~Stmt() { sqlite3_finalize(stmt_); }
+  bool step() override {
+    int rc = sqlite3_step(stmt_);
+    if (rc == SQLITE_ROW) return true;
+    if (rc == SQLITE_DONE) {
+      changes_ = sqlite3_changes(db_);
+      return false;
+    }
+    fail(db_, sqlite3_extended_errcode(db_), "statement failed");
+  }
+  bool is_null(int column) const override { return sqlite3_column_type(stmt_, column) == SQLITE_NULL; }
+  int64_t int64(int column) const override { return sqlite3_column_int64(stmt_, column); }
+  std::string text(int column) const override {
+    const auto* p = reinterpret_cast<const char*>(sqlite3_column_text(stmt_, column));
+    return p ? std::string(p, static_cast<size_t>(sqlite3_column_bytes(stmt_, column))) : std::string();
+  }
+  int64_t changes() const override { return changes_; }
 
-Stmt& Stmt::bind(int index, int64_t value) {
-  if (sqlite3_bind_int64(stmt_, index, value) != SQLITE_OK) fail(db_, sqlite3_extended_errcode(db_), "bind failed");
-  return *this;
-}
+ private:
+  void check(int rc) {
+    if (rc != SQLITE_OK) fail(db_, sqlite3_extended_errcode(db_), "bind failed");
+  }
 
-Stmt& Stmt::bind(int index, const std::string& value) {
-  int rc = sqlite3_bind_text(stmt_, index, value.data(), static_cast<int>(value.size()), SQLITE_TRANSIENT);
-  if (rc != SQLITE_OK) fail(db_, sqlite3_extended_errcode(db_), "bind failed");
-  return *this;
-}
+  sqlite3* db_;
+  sqlite3_stmt* stmt_ = nullptr;
+  int64_t changes_ = 0;
+};
 
-Stmt& Stmt::bind(int index, const std::optional<std::string>& value) {
-  if (value) return bind(index, *value);
-  if (sqlite3_bind_null(stmt_, index) != SQLITE_OK) fail(db_, sqlite3_extended_errcode(db_), "bind failed");
-  return *this;
-}
+class SqliteConnection final : public Connection {
+ public:
+  SqliteConnection(const std::string& path, const StoreOptions& options) : path_(path) {
+    int rc = sqlite3_open_v2(path.c_str(), &db_, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, nullptr);
+    if (rc != SQLITE_OK) {
+      // The handle exists even on failure (unless out of memory) and must be closed.
+      std::string message = db_ ? sqlite3_errmsg(db_) : sqlite3_errstr(rc);
+      sqlite3_close_v2(db_);
+      db_ = nullptr;
+      throw StoreError("cannot open database: " + message);
+    }
+    sqlite3_extended_result_codes(db_, 1);
+    sqlite3_busy_timeout(db_, options.busy_timeout_ms);
+    exec("PRAGMA journal_mode = WAL");
+    exec("PRAGMA foreign_keys = ON");
+    exec(options.sync ? "PRAGMA synchronous = FULL" : "PRAGMA synchronous = OFF");
+    if (options.check_at_open) {
+      SqliteCursor check(db_, "PRAGMA quick_check");
+      std::string problems;
+      while (check.step()) {
+        std::string row = check.text(0);
+        if (row != "ok") problems += (problems.empty() ? "" : "; ") + row;
+      }
+      if (!problems.empty()) throw CorruptError("database damaged: " + problems);
+    }
+  }
+  ~SqliteConnection() override { sqlite3_close_v2(db_); }
 
-bool Stmt::step() {
-  int rc = sqlite3_step(stmt_);
-  if (rc == SQLITE_ROW) return true;
-  if (rc == SQLITE_DONE) return false;
-  fail(db_, sqlite3_extended_errcode(db_), "statement failed");
-}
+  Dialect dialect() const override { return Dialect::sqlite; }
+  std::unique_ptr<Cursor> prepare(const std::string& sql) override { return std::make_unique<SqliteCursor>(db_, sql); }
+  void exec(const std::string& sql) override {
+    char* error = nullptr;
+    int rc = sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, &error);
+    sqlite3_free(error);
+    if (rc != SQLITE_OK) fail(db_, sqlite3_extended_errcode(db_), "sql failed");
+  }
+  void begin() override { exec("BEGIN IMMEDIATE"); }
+  void commit() override { exec("COMMIT"); }
+  void rollback() noexcept override { sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr); }
+  // BEGIN IMMEDIATE already serializes the migration's writers.
+  void lock_schema() override {}
+  void unlock_schema() noexcept override {}
+  int64_t schema_version() override {
+    SqliteCursor s(db_, "PRAGMA user_version");
+    s.step();
+    return s.int64(0);
+  }
+  void set_schema_version(int64_t version) override { exec("PRAGMA user_version = " + std::to_string(version)); }
+  std::string describe() const override { return path_; }
 
-int64_t Stmt::int64(int column) const { return sqlite3_column_int64(stmt_, column); }
+ private:
+  std::string path_;
+  sqlite3* db_ = nullptr;
+};
 
-std::string Stmt::text(int column) const {
-  const auto* p = reinterpret_cast<const char*>(sqlite3_column_text(stmt_, column));
-  return p ? std::string(p, static_cast<size_t>(sqlite3_column_bytes(stmt_, column))) : std::string();
-}
+}  // namespace
 
-std::optional<std::string> Stmt::opt_text(int column) const {
-  if (sqlite3_column_type(stmt_, column) == SQLITE_NULL) return std::nullopt;
-  return text(column);
-}
-
-std::optional<int64_t> Stmt::opt_int64(int column) const {
-  if (sqlite3_column_type(stmt_, column) == SQLITE_NULL) return std::nullopt;
-  return int64(column);
-}
-
-Transaction::Transaction(sqlite3* db) : db_(db) { exec(db_, "BEGIN IMMEDIATE"); }
-
-Transaction::~Transaction() {
-  if (!done_) sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);
-}
-
-void Transaction::commit() {
-  exec(db_, "COMMIT");
-  done_ = true;
+std::unique_ptr<Connection> open_sqlite(const std::string& path, const StoreOptions& options) {
+  return std::make_unique<SqliteConnection>(path, options);
 }
 
 }  // namespace cartridges::sql

@@ -1,4 +1,4 @@
-// The store: SQLite metadata + blob files. See cartridges/store.h for the on-disk layout.
+// The store: database metadata (SQLite or PostgreSQL) + blob files. See cartridges/store.h for the on-disk layout.
 #include "cartridges/store.h"
 
 #include <dirent.h>
@@ -16,7 +16,7 @@
 #include "store/blob_io.h"
 #include "store/common.h"
 #include "store/schema.h"
-#include "store/sqlite.h"
+#include "store/sql.h"
 
 namespace cartridges {
 
@@ -72,31 +72,32 @@ Store::Store(StoreOptions options) : options_(std::move(options)) {
   const bool exclusive = ::flock(lock_fd_, LOCK_EX | LOCK_NB) == 0;
   if (!exclusive) ::flock(lock_fd_, LOCK_SH);
 
-  const std::string db_path = dir + "/store.db";
+  const std::string& url = options_.database_url;
+  const bool postgres = url.rfind("postgresql://", 0) == 0 || url.rfind("postgres://", 0) == 0;
+  std::string db_name = dir + "/store.db";
+  if (url.rfind("sqlite:///", 0) == 0) {
+    db_name = url.substr(std::string("sqlite://").size());
+  } else if (postgres) {
+    db_name = "the PostgreSQL database";  // never the URL: it may hold a password
+  } else if (!url.empty()) {
+    ::close(lock_fd_);
+    lock_fd_ = -1;
+    throw std::invalid_argument("database_url must be empty, sqlite:///<path> or postgresql://...: '" + url + "'");
+  }
   try {
-    int rc = sqlite3_open_v2(db_path.c_str(), &db_, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, nullptr);
-    if (rc != SQLITE_OK) sql::fail(db_, rc, "cannot open database");
-    sqlite3_extended_result_codes(db_, 1);
-    sqlite3_busy_timeout(db_, options_.busy_timeout_ms);
-    sql::exec(db_, "PRAGMA journal_mode = WAL");
-    sql::exec(db_, "PRAGMA foreign_keys = ON");
-    sql::exec(db_, options_.sync ? "PRAGMA synchronous = FULL" : "PRAGMA synchronous = OFF");
-    if (options_.check_at_open) {
-      Stmt check(db_, "PRAGMA quick_check");
-      std::string problems;
-      while (check.step()) {
-        std::string row = check.text(0);
-        if (row != "ok") problems += (problems.empty() ? "" : "; ") + row;
-      }
-      if (!problems.empty()) throw CorruptError("database damaged: " + problems);
-    }
+    db_ = postgres ? sql::open_postgres(url, options_) : sql::open_sqlite(db_name, options_);
+    db_name = db_->describe();
     migrate();
     if (exclusive) swept_ = sweep();
   } catch (const StoreError& e) {
     close();
-    // Keep the subclass (CorruptError stays CorruptError) and name the file.
-    if (dynamic_cast<const CorruptError*>(&e)) throw CorruptError(db_path + ": " + e.what());
-    throw StoreError(db_path + ": " + e.what());
+    // Keep the subclass (CorruptError stays CorruptError) and name the database.
+    if (dynamic_cast<const CorruptError*>(&e)) throw CorruptError(db_name + ": " + e.what());
+    if (dynamic_cast<const UnavailableError*>(&e)) throw;  // names the database already
+    throw StoreError(db_name + ": " + e.what());
+  } catch (...) {
+    close();
+    throw;
   }
   if (exclusive) ::flock(lock_fd_, LOCK_SH);
 }
@@ -105,46 +106,48 @@ Store::~Store() { close(); }
 
 void Store::close() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (db_) {
-    sqlite3_close_v2(db_);
-    db_ = nullptr;
-  }
+  db_.reset();
   if (lock_fd_ >= 0) {
     ::close(lock_fd_);  // releases the flock
     lock_fd_ = -1;
   }
 }
 
-sqlite3* Store::db() {
+sql::Connection& Store::db() {
   if (!db_) throw StoreError("store is closed");
-  return db_;
+  return *db_;
 }
 
 int Store::schema_version() {
   std::lock_guard<std::mutex> lock(mutex_);
-  Stmt s(db(), "PRAGMA user_version");
-  s.step();
-  return static_cast<int>(s.int64(0));
+  return static_cast<int>(db().schema_version());
+}
+
+void Store::ping() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Stmt(db(), "SELECT 1").run();
 }
 
 void Store::migrate() {
-  const auto& all = schema::migrations();
-  int64_t version;
-  {
-    Stmt s(db_, "PRAGMA user_version");
-    s.step();
-    version = s.int64(0);
+  const auto& all = schema::migrations(db_->dialect());
+  db_->lock_schema();
+  try {
+    const int64_t version = db_->schema_version();
+    if (version > static_cast<int64_t>(all.size())) {
+      throw StoreError("database schema version " + std::to_string(version) + " is newer than this build knows (" +
+                       std::to_string(all.size()) + ")");
+    }
+    for (size_t i = static_cast<size_t>(version); i < all.size(); ++i) {
+      Transaction tx(*db_);
+      db_->exec(all[i]);
+      db_->set_schema_version(static_cast<int64_t>(i) + 1);
+      tx.commit();
+    }
+  } catch (...) {
+    db_->unlock_schema();
+    throw;
   }
-  if (version > static_cast<int64_t>(all.size())) {
-    throw StoreError("database schema version " + std::to_string(version) + " is newer than this build knows (" +
-                     std::to_string(all.size()) + ")");
-  }
-  for (size_t i = static_cast<size_t>(version); i < all.size(); ++i) {
-    Transaction tx(db_);
-    sql::exec(db_, all[i]);
-    sql::exec(db_, ("PRAGMA user_version = " + std::to_string(i + 1)).c_str());
-    tx.commit();
-  }
+  db_->unlock_schema();
 }
 
 int64_t Store::sweep() {
@@ -164,7 +167,7 @@ int64_t Store::sweep() {
   });
   std::unordered_set<std::string> recorded;
   {
-    Stmt s(db_, "SELECT id FROM blobs");
+    Stmt s(*db_, "SELECT id FROM blobs");
     while (s.step()) recorded.insert(s.text(0));
   }
   each_entry(blobs, [&](const std::string& name) {
@@ -183,11 +186,13 @@ User Store::create_user(const std::string& name) {
   std::lock_guard<std::mutex> lock(mutex_);
   User user{0, name, now()};
   try {
-    Stmt(db(), "INSERT INTO users (name, created_at) VALUES (?1, ?2)").bind(1, name).bind(2, user.created_at).run();
+    Stmt insert(db(), "INSERT INTO users (name, created_at) VALUES (?1, ?2) RETURNING id");
+    insert.bind(1, name).bind(2, user.created_at).step();
+    user.id = insert.int64(0);
+    insert.run();
   } catch (const ConflictError&) {
     throw ConflictError("user '" + name + "' already exists");
   }
-  user.id = sqlite3_last_insert_rowid(db_);
   return user;
 }
 
@@ -215,16 +220,13 @@ ApiKeyInfo Store::add_key(int64_t user_id, const std::string& key_hash, const st
   if (!u.step()) throw NotFoundError("No such user: " + std::to_string(user_id));
   ApiKeyInfo info{0, user_id, u.text(0), hint, now(), std::nullopt};
   try {
-    Stmt(db_, "INSERT INTO api_keys (user_id, key_hash, hint, created_at) VALUES (?1, ?2, ?3, ?4)")
-        .bind(1, user_id)
-        .bind(2, key_hash)
-        .bind(3, hint)
-        .bind(4, info.created_at)
-        .run();
+    Stmt insert(db(), "INSERT INTO api_keys (user_id, key_hash, hint, created_at) VALUES (?1, ?2, ?3, ?4) RETURNING id");
+    insert.bind(1, user_id).bind(2, key_hash).bind(3, hint).bind(4, info.created_at).step();
+    info.id = insert.int64(0);
+    insert.run();
   } catch (const ConflictError&) {
     throw ConflictError("this key is already registered");
   }
-  info.id = sqlite3_last_insert_rowid(db_);
   return info;
 }
 
@@ -250,11 +252,9 @@ std::vector<ApiKeyInfo> Store::list_keys() {
 
 void Store::revoke_key(int64_t key_id) {
   std::lock_guard<std::mutex> lock(mutex_);
-  Stmt(db(), "UPDATE api_keys SET revoked_at = ?1 WHERE id = ?2 AND revoked_at IS NULL")
-      .bind(1, now())
-      .bind(2, key_id)
-      .run();
-  if (sqlite3_changes(db_) == 0) throw NotFoundError("No active key with id " + std::to_string(key_id));
+  Stmt revoke(db(), "UPDATE api_keys SET revoked_at = ?1 WHERE id = ?2 AND revoked_at IS NULL");
+  revoke.bind(1, now()).bind(2, key_id).run();
+  if (revoke.changes() == 0) throw NotFoundError("No active key with id " + std::to_string(key_id));
 }
 
 // ---- blobs ----

@@ -26,13 +26,17 @@ from typing import Any
 
 from ..cores import cpu_cores
 
-from .worker import EXIT_BUSY
+from ..store import DATABASE_URL_ENV
+from .worker import EXIT_BUSY, job_is_locked
 
 log = logging.getLogger("cartridges.jobs")
 
 MAX_ATTEMPTS = 3
 CANCEL_GRACE_S = 5.0
 POLL_S = 0.5
+# Live jobs looked at per status when choosing the next one (those another server's worker
+# holds are passed over).
+NEXT_JOB_WINDOW = 16
 
 
 @dataclass
@@ -156,14 +160,21 @@ class Supervisor:
             self._start_worker(record.run_id)
 
     def _next_job(self) -> Any | None:
-        """Interrupted jobs first (they hold checkpoints), then the oldest queued one."""
+        """Interrupted jobs first (they hold checkpoints), then the oldest queued one; never a
+        job whose worker runs, here or in another server sharing the store."""
         for status in ("running", "queued"):
             page = self._store.list_datablocks(self._admin, status=status, descending=False,
-                                               limit=len(self._workers) + 1)
+                                               limit=len(self._workers) + NEXT_JOB_WINDOW)
             for record in page.data:
-                if record.run_id not in self._workers:
+                if record.run_id not in self._workers and not self._held_elsewhere(record.run_id):
                     return record
         return None
+
+    def _held_elsewhere(self, run_id: str) -> bool:
+        try:
+            return job_is_locked(self._store.job_dir(self._admin, run_id))
+        except (self._core.NotFoundError, self._core.ConflictError):
+            return True  # deleted or ended meanwhile: nothing to start
 
     def _start_worker(self, run_id: str) -> None:
         try:
@@ -171,7 +182,8 @@ class Supervisor:
         except (self._core.NotFoundError, self._core.ConflictError):
             return  # deleted or ended meanwhile
         env = dict(os.environ, CARTRIDGES_WORKER_THREADS=str(self.worker_threads),
-                   CARTRIDGES_INT8_ACTIVATIONS="1" if self.int8_activations else "0")
+                   CARTRIDGES_INT8_ACTIVATIONS="1" if self.int8_activations else "0",
+                   **{DATABASE_URL_ENV: self._store.database_url})
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "cartridges.jobs.worker", run_id, self._data_dir],

@@ -41,12 +41,13 @@ class JobFailed(Exception):
         self.code = code
 
 
-def run_job(run_id: str, data_dir: str | os.PathLike[str]) -> int:
-    """Trains datablock `run_id` of the store in `data_dir` to its end; returns an exit code."""
+def run_job(run_id: str, data_dir: str | os.PathLike[str], database_url: str = "") -> int:
+    """Trains datablock `run_id` of the store in `data_dir` (its records in `database_url`, see
+    open_store) to its end; returns an exit code."""
     from ..store import core as compiled_core, open_store
 
     core = compiled_core()
-    store = open_store(data_dir)
+    store = open_store(data_dir, database_url=database_url)
     admin = core.Owner(0, True)
     try:
         record = store.get_datablock(admin, run_id)
@@ -203,6 +204,15 @@ def _lock_job(scratch: str) -> int | None:
     return fd
 
 
+def job_is_locked(scratch: str) -> bool:
+    """Whether a worker (of this server or of another sharing the data directory) holds the job."""
+    fd = _lock_job(scratch)
+    if fd is None:
+        return True
+    os.close(fd)
+    return False
+
+
 def _die_with_parent() -> None:
     """The worker must not outlive the server (a restarted server starts its own): Linux
     delivers SIGKILL to us when the parent dies."""
@@ -227,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     threads = int(os.environ.get("CARTRIDGES_WORKER_THREADS") or 0)
     if threads > 0:
         torch.set_num_threads(threads)
-    return run_job(args[0], args[1])
+    from ..store import DATABASE_URL_ENV
+
+    return run_job(args[0], args[1], os.environ.get(DATABASE_URL_ENV, ""))
 
 
 if __name__ == "__main__":

@@ -38,12 +38,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = open_store(settings.data_dir, sync=settings.store_sync)
+        store = open_store(settings.data_dir, sync=settings.store_sync, database_url=settings.database_url)
         try:
             keys.bootstrap(store, settings.api_key)
             admin = None
             if settings.admin_key:
-                admin = store.find_user(keys.ADMIN_USER) or store.create_user(keys.ADMIN_USER)
+                admin = keys.find_or_create_user(store, keys.ADMIN_USER)
             app.state.store = store
             app.state.admin_user_id = admin.id if admin else 0
             app.state.extractor = Extractor(store, core().Owner(0, True))

@@ -171,6 +171,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_conflict(request: Request, exc: Exception) -> JSONResponse:
         return error_response(409, str(exc))
 
+    async def on_unavailable(request: Request, exc: Exception) -> JSONResponse:
+        log.error("database unavailable on %s %s: %s", request.method, request.url.path, exc)
+        return error_response(503, "The server cannot reach its database right now; retry in a few seconds.",
+                              headers={"Retry-After": "5"})
+
     async def on_store_error(request: Request, exc: Exception) -> JSONResponse:
         log.error("store error on %s %s: %s", request.method, request.url.path, exc)
         return error_response(500, "The server could not read or write its storage.")
@@ -184,6 +189,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(core.NotFoundError, on_not_found)
     app.add_exception_handler(core.ConflictError, on_conflict)
+    app.add_exception_handler(core.UnavailableError, on_unavailable)
     app.add_exception_handler(core.StoreError, on_store_error)  # CorruptError and the rest
     app.add_exception_handler(Exception, on_unexpected)
 

@@ -99,6 +99,15 @@ class Serving:
     def ready(self) -> bool:
         return self.engine is not None and self.engine.native.running
 
+    @property
+    def unready_reason(self) -> str | None:
+        """Why chat cannot be served yet (None once ready)."""
+        if self.ready:
+            return None
+        if self.load_error:
+            return f"the model could not be loaded: {self.load_error}"
+        return "the model is loading"
+
     def require_ready(self) -> tuple[Any, Any]:
         if not self.ready:
             if self.load_error:

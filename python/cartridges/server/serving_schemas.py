@@ -27,3 +27,4 @@ class Health(BaseModel):
     status: Literal["healthy", "unhealthy"]
     device: str
     loaded_cartridges: list[str] = Field(description="Only those the presented key may see.")
+    reason: str | None = Field(None, description="Why the server is unhealthy, when it is.")

@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..store import DATABASE_URL_ENV
+
 MiB = 1 << 20
 # docs/api.md §5: the largest file an upload may carry.
 MAX_UPLOAD_BYTES = 512 * MiB
@@ -18,6 +20,7 @@ ENV_VARS = {
     "host": "CARTRIDGES_HOST",
     "port": "CARTRIDGES_PORT",
     "data_dir": "CARTRIDGES_DATA_DIR",
+    "database_url": DATABASE_URL_ENV,
     "model": "CARTRIDGES_MODEL",
     "max_upload_bytes": "CARTRIDGES_MAX_UPLOAD_BYTES",
     "api_key": "CARTRIDGES_API_KEY",
@@ -45,6 +48,10 @@ class Settings(BaseModel):
     """TCP port to listen on."""
     data_dir: Path = Field(Path("cartridges-data"), strict=False)  # a str is a path too
     """Directory of the store (SQLite database and blobs); created if missing."""
+    database_url: str | None = Field(None, pattern=r"^(sqlite:///|postgres(ql)?://).+")
+    """Where the store's records live: None keeps SQLite in data_dir; sqlite:///path.db names
+    another SQLite file; postgresql://user:password@host:port/db a PostgreSQL database that
+    several servers share (blobs stay in data_dir)."""
     model: str | None = None
     """Base model: a Hugging Face directory or a GGUF file; None is the embedded default model."""
     max_upload_bytes: int = Field(MAX_UPLOAD_BYTES, ge=1)

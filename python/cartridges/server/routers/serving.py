@@ -16,6 +16,7 @@ from cartridges.server.deps import (CurrentUser, MetricsDep, Principal, ServingD
 from cartridges.server.errors import APIError, error_responses
 from cartridges.server.metrics import CONTENT_TYPE, job_counts
 from cartridges.cores import cpu_cores
+from cartridges.store import core
 from cartridges.server.serving import CartridgeUnavailable, LoadedCartridge, Serving
 
 router = APIRouter(tags=["models"])  # under /v1 and /api/v1
@@ -79,10 +80,16 @@ async def preload(
 def health(request: Request, serving: ServingDep, store: StoreDep) -> JSONResponse:
     """`healthy` (200) once the model is loaded and the engine runs, else `unhealthy` (503).
     No key needed; `loaded_cartridges` lists what the presented key may see (none without one)."""
-    principal = _optional_principal(request, store)
-    body = Health(status="healthy" if serving.ready else "unhealthy", device=serving.device,
-                  loaded_cartridges=[c.id for c in serving.loaded(principal)])
-    return JSONResponse(body.model_dump(), status_code=200 if serving.ready else 503)
+    reason = None if serving.ready else serving.unready_reason
+    principal = None
+    try:
+        store.ping()
+        principal = _optional_principal(request, store)
+    except core().UnavailableError as error:
+        reason = f"the database is unreachable: {error}"
+    body = Health(status="unhealthy" if reason else "healthy", device=serving.device,
+                  loaded_cartridges=[c.id for c in serving.loaded(principal)], reason=reason)
+    return JSONResponse(body.model_dump(), status_code=503 if reason else 200)
 
 
 def _optional_principal(request: Request, store: Any) -> Principal | None:

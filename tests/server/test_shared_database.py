@@ -1,0 +1,129 @@
+"""Servers whose records live in PostgreSQL (CARTRIDGES_DATABASE_URL): two replicas answer for
+the same users and files, the CLI's keys reach both, and a database outage is a 503 and
+`unhealthy`, never a hang or a crash, until the database is back.
+
+The replicas here share one data directory for blobs (one machine, or a shared volume); blobs
+in an object store are not built yet (docs/deployment.md)."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from cartridges.store import DATABASE_URL_ENV
+from postgres_server import PostgresServer, fresh_database
+
+from .conftest import API_KEY, LiveServer
+
+pytestmark = pytest.mark.slow
+
+
+def _replica(data_dir: Path, database_url: str, model: Path) -> LiveServer:
+    return LiveServer(data_dir, model=model, env={DATABASE_URL_ENV: database_url})
+
+
+@pytest.fixture
+def replicas(tmp_path: Path, postgres_url: str, tiny_model_dir: Path) -> Iterator[tuple[LiveServer, LiveServer]]:
+    data_dir = tmp_path / "data"
+    first = _replica(data_dir, postgres_url, tiny_model_dir).start()
+    second = _replica(data_dir, postgres_url, tiny_model_dir)
+    second.log_path = tmp_path / "second-server.log"
+    try:
+        second.start()
+        yield first, second
+    finally:
+        second.stop()
+        first.stop()
+
+
+def test_files_uploaded_through_one_replica_are_served_by_the_other(replicas: tuple[LiveServer, LiveServer]) -> None:
+    first, second = replicas
+    alice, bob = first.add_user("alice"), first.add_user("bob")
+    assert first.data_dir == second.data_dir and first.port != second.port
+
+    uploaded = first.openai(alice).files.create(file=("notes.txt", io.BytesIO(b"shared notes")), purpose="assistants")
+    other = second.openai(alice)
+    assert [f.id for f in other.files.list()] == [uploaded.id]
+    assert other.files.retrieve(uploaded.id).filename == "notes.txt"
+    assert other.files.content(uploaded.id).read() == b"shared notes"
+
+    # Per-user isolation holds on every replica.
+    with pytest.raises(openai.NotFoundError):
+        second.openai(bob).files.retrieve(uploaded.id)
+    assert list(second.openai(bob).files.list()) == []
+
+    other.files.delete(uploaded.id)
+    with pytest.raises(openai.NotFoundError):
+        first.openai(alice).files.retrieve(uploaded.id)
+    # The default key bootstrapped by the first replica is accepted by the second.
+    assert second.http(API_KEY).get("/v1/files").status_code == 200
+
+
+def test_a_key_made_by_the_cli_is_accepted_by_every_replica(replicas: tuple[LiveServer, LiveServer]) -> None:
+    first, second = replicas
+    env = dict(os.environ, **{DATABASE_URL_ENV: first.env[DATABASE_URL_ENV]})
+    made = subprocess.run([sys.executable, "-m", "cartridges.cli", "keys", "create", "--user", "carol",
+                           "--data-dir", str(first.data_dir)], env=env, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    key = made.stdout.strip().splitlines()[-1]
+    for replica in (first, second):
+        assert replica.http(key).get("/v1/files").status_code == 200
+    assert first.http("sk-cart-not-a-key").get("/v1/files").status_code == 401
+
+
+def _wait_status(http: httpx.Client, path: str, status: int, timeout: float = 30) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while True:
+        response = http.get(path)
+        if response.status_code == status or time.monotonic() > deadline:
+            return response
+        time.sleep(0.2)
+
+
+def test_a_database_outage_is_a_503_and_unhealthy_until_it_is_back(tmp_path: Path, tiny_model_dir: Path) -> None:
+    database = PostgresServer().start()  # its own server: this test stops it
+    try:
+        replica = _replica(tmp_path / "data", fresh_database(database.url), tiny_model_dir).start()
+        try:
+            key = replica.add_user("alice")
+            client = replica.http(key)
+            assert client.get("/v1/files").status_code == 200
+
+            database.pause()
+            started = time.monotonic()
+            listed = client.get("/v1/files")
+            assert listed.status_code == 503, listed.text
+            assert listed.json()["error"]["code"] == "unavailable"
+            assert "database" in listed.json()["error"]["message"]
+            health = replica.http(None).get("/health")
+            assert health.status_code == 503
+            assert health.json()["status"] == "unhealthy"
+            assert "database" in health.json()["reason"]
+            assert time.monotonic() - started < 20  # answered, not hung
+            assert replica.alive()
+
+            database.resume()
+            assert _wait_status(replica.http(None), "/health", 200).json()["status"] == "healthy"
+            assert client.get("/v1/files").status_code == 200
+        finally:
+            replica.stop()
+    finally:
+        database.stop()
+
+
+def test_an_unreachable_database_at_start_is_a_clear_error(tmp_path: Path) -> None:
+    from cartridges.store import core, open_store
+
+    started = time.monotonic()
+    with pytest.raises(core().UnavailableError, match="cannot reach the database"):
+        open_store(tmp_path / "data", database_url="postgresql://nobody@127.0.0.1:1/nothing")
+    assert time.monotonic() - started < 10
