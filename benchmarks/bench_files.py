@@ -1,16 +1,25 @@
 """Files API over loopback: upload and download throughput, server peak memory, list latency.
 
     .venv/bin/python benchmarks/bench_files.py [--sizes-mib 1 64 512] [--list-files 10000]
+                                               [--backends local,shared]
 
 Starts `cartridges serve` on a fresh port and data directory (fsync on, as in production),
 streams each upload from memory (no client disk reads), and reads downloads in 1 MiB chunks.
 Server peak memory is VmHWM of the server process. For the list latency, 10 000 files are
 loaded straight into a second store (fsync off), then served.
+
+Backends, measured one after the other in the same run:
+  local   SQLite and blobs in the data directory (the default)
+  shared  records in PostgreSQL and blobs in S3 (docs/deployment.md): a throwaway PostgreSQL
+          server and moto's S3 server on loopback (tests/postgres_server.py, tests/s3_server.py).
+          Uploads go through one replica; downloads through a second replica with its own data
+          directory, so each download is fetched from the object store first.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -22,6 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the throwaway servers
 
 KEY = "sk-cart-bench-0123456789abcdef0123"
 MiB = 1 << 20
@@ -41,10 +52,10 @@ def peak_rss(pid: int) -> int:
 
 
 class Server:
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, CARTRIDGES_API_KEY=KEY)
+        env = dict(os.environ, CARTRIDGES_API_KEY=KEY, **(env or {}))
         cmd = [sys.executable, "-m", "cartridges.cli", "serve", "--port", str(self.port), "--data-dir", str(data_dir),
                "--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, env=env)
@@ -82,10 +93,12 @@ def upload_body(size: int, boundary: bytes) -> tuple[Iterator[bytes], int]:
     return body(), len(head) + size + len(tail)
 
 
-def bench_throughput(server: Server, sizes_mib: list[int]) -> list[dict]:
+def bench_throughput(server: Server, sizes_mib: list[int], reader: Server | None = None) -> list[dict]:
+    """Uploads through `server`, downloads through `reader` (another replica) or `server`."""
     rows = []
     headers = {"Authorization": f"Bearer {KEY}"}
-    with httpx.Client(base_url=server.url, headers=headers, timeout=600) as client:
+    with httpx.Client(base_url=server.url, headers=headers, timeout=600) as client, \
+            httpx.Client(base_url=(reader or server).url, headers=headers, timeout=600) as download_client:
         for size_mib in sizes_mib:
             size = size_mib * MiB
             repeats = 10 if size_mib <= 4 else 3 if size_mib <= 64 else 1
@@ -100,7 +113,7 @@ def bench_throughput(server: Server, sizes_mib: list[int]) -> list[dict]:
                 file_id = response.json()["id"]
                 start = time.perf_counter()
                 received = 0
-                with client.stream("GET", f"/v1/files/{file_id}/content") as stream:
+                with download_client.stream("GET", f"/v1/files/{file_id}/content") as stream:
                     for part in stream.iter_bytes(MiB):
                         received += len(part)
                 down.append(time.perf_counter() - start)
@@ -118,11 +131,12 @@ def bench_throughput(server: Server, sizes_mib: list[int]) -> list[dict]:
     return rows
 
 
-def bench_list(data_dir: Path, count: int) -> None:
+def bench_list(data_dir: Path, count: int, env: dict[str, str]) -> None:
     from cartridges.server.keys import create_key
-    from cartridges.store import core, open_store
+    from cartridges.store import BLOB_URL_ENV, DATABASE_URL_ENV, core, open_store
 
-    store = open_store(data_dir, sync=False)
+    os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})  # this process' S3 client
+    store = open_store(data_dir, sync=False, database_url=env.get(DATABASE_URL_ENV), blob_url=env.get(BLOB_URL_ENV))
     key = create_key(store, "default", KEY)
     owner = core().Owner(store.find_user("default").id)
     start = time.perf_counter()
@@ -132,7 +146,7 @@ def bench_list(data_dir: Path, count: int) -> None:
         store.create_file(owner, writer, f"doc{i}.txt", "assistants")
     print(f"loaded {count} files in {time.perf_counter() - start:.1f} s (fsync off)", flush=True)
     store.close()
-    server = Server(data_dir)
+    server = Server(data_dir, env)
     try:
         with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
             for params in ({"limit": 100}, {"limit": 10000}, {"limit": 100, "purpose": "assistants", "order": "asc"}):
@@ -153,15 +167,57 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 64, 512])
     parser.add_argument("--list-files", type=int, default=10000)
+    parser.add_argument("--backends", default="local,shared", help="local, shared (PostgreSQL + S3), or both")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench-files-") as tmp:
-        server = Server(Path(tmp) / "throughput")
-        try:
-            bench_throughput(server, args.sizes_mib)
-        finally:
-            server.stop()
-        if args.list_files:
-            bench_list(Path(tmp) / "list", args.list_files)
+    for backend in args.backends.split(","):
+        print(f"== {backend}: " + ("SQLite and blobs in the data directory" if backend == "local" else
+                                   "PostgreSQL and S3 (moto) on loopback"), flush=True)
+        with tempfile.TemporaryDirectory(prefix="bench-files-") as tmp, shared_services(backend) as services:
+            env = services.env()  # both replicas share one database and one bucket
+            server = Server(Path(tmp) / "throughput", env)
+            reader = Server(Path(tmp) / "reader", env) if backend == "shared" else None
+            try:
+                bench_throughput(server, args.sizes_mib, reader)
+            finally:
+                server.stop()
+                if reader:
+                    reader.stop()
+            if args.list_files:
+                bench_list(Path(tmp) / "list", args.list_files, services.env())
+
+
+class _Services:
+    """The backing services of a backend, with a fresh database and bucket per env() call."""
+
+    def __init__(self, postgres=None, s3=None) -> None:
+        self.postgres, self.s3 = postgres, s3
+
+    def env(self) -> dict[str, str]:
+        if self.postgres is None:
+            return {}
+        from cartridges.store import BLOB_URL_ENV, DATABASE_URL_ENV
+        from postgres_server import fresh_database
+
+        return {**self.s3.env, DATABASE_URL_ENV: fresh_database(self.postgres.url),
+                BLOB_URL_ENV: f"s3://{self.s3.fresh_bucket()}/blobs"}
+
+
+@contextlib.contextmanager
+def shared_services(backend: str) -> Iterator[_Services]:
+    if backend == "local":
+        yield _Services()
+        return
+    if backend != "shared":
+        raise SystemExit(f"unknown backend {backend!r}: local or shared")
+    from postgres_server import PostgresServer
+    from s3_server import S3Server
+
+    postgres, s3 = PostgresServer().start(), S3Server().start()
+    try:
+        yield _Services(postgres, s3)
+    finally:
+        s3.stop()
+        postgres.stop()
 
 
 if __name__ == "__main__":

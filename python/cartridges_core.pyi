@@ -7,7 +7,7 @@ import datetime
 import torch
 import typing
 import typing_extensions
-__all__: list[str] = ['Adam', 'ApiKeyInfo', 'BlobWriter', 'CacheFullError', 'CancelToken', 'CartridgeCache', 'CartridgeCacheStats', 'CartridgeParams', 'Composition', 'ConflictError', 'ContextLengthError', 'CorruptError', 'DatablockPage', 'DatablockRecord', 'Engine', 'EngineBusyError', 'EngineOptions', 'EngineStats', 'EngineStoppedError', 'Event', 'FilePage', 'FileRecord', 'KVCache', 'KVPrefix', 'LlamaConfig', 'LlamaModel', 'NotFoundError', 'Owner', 'Priority', 'Sampler', 'SamplingParams', 'Store', 'StoreError', 'TrainOptions', 'TrainProgress', 'TrainResult', 'TrainingData', 'UnavailableError', 'User', 'apply_logit_bias', 'channel_lr_scales', 'dequantize_weight', 'distillation_loss_sum', 'filter_top_k', 'filter_top_p', 'layer_lr_scales', 'length_groups', 'tokens_in_front', 'train_cartridge', 'training_order']
+__all__: list[str] = ['Adam', 'ApiKeyInfo', 'BlobMirror', 'BlobWriter', 'CacheFullError', 'CancelToken', 'CartridgeCache', 'CartridgeCacheStats', 'CartridgeParams', 'Composition', 'ConflictError', 'ContextLengthError', 'CorruptError', 'DatablockPage', 'DatablockRecord', 'Engine', 'EngineBusyError', 'EngineOptions', 'EngineStats', 'EngineStoppedError', 'Event', 'FilePage', 'FileRecord', 'KVCache', 'KVPrefix', 'LlamaConfig', 'LlamaModel', 'NotFoundError', 'Owner', 'Priority', 'Sampler', 'SamplingParams', 'Store', 'StoreError', 'TrainOptions', 'TrainProgress', 'TrainResult', 'TrainingData', 'UnavailableError', 'User', 'apply_logit_bias', 'channel_lr_scales', 'dequantize_weight', 'distillation_loss_sum', 'filter_top_k', 'filter_top_p', 'layer_lr_scales', 'length_groups', 'tokens_in_front', 'train_cartridge', 'training_order']
 class Adam:
     def __init__(self, params: collections.abc.Sequence[torch.Tensor], lr: typing.SupportsFloat | typing.SupportsIndex = 0.02, beta1: typing.SupportsFloat | typing.SupportsIndex = 0.9, beta2: typing.SupportsFloat | typing.SupportsIndex = 0.999, eps: typing.SupportsFloat | typing.SupportsIndex = 1e-08, anchor: typing.SupportsFloat | typing.SupportsIndex = 0.0, lr_scales: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] = [], channel_scales: collections.abc.Sequence[torch.Tensor] = []) -> None:
         ...
@@ -36,6 +36,20 @@ class ApiKeyInfo:
         ...
     @property
     def user_name(self) -> str:
+        ...
+class BlobMirror:
+    """
+    Subclass to keep the store's blobs in a remote object store: upload(blob_id, local_path), download(blob_id, local_path) -> bool (False: no such blob), remove(blob_id), check().
+    """
+    def __init__(self) -> None:
+        ...
+    def check(self) -> None:
+        ...
+    def download(self, blob_id: str, local_path: str) -> bool:
+        ...
+    def remove(self, blob_id: str) -> None:
+        ...
+    def upload(self, blob_id: str, local_path: str) -> None:
         ...
 class BlobWriter:
     """
@@ -205,6 +219,9 @@ class DatablockRecord:
         ...
     @property
     def bytes(self) -> int | None:
+        ...
+    @property
+    def claimant(self) -> str:
         ...
     @property
     def config(self) -> str:
@@ -741,10 +758,11 @@ class Store:
     """
     SQLite metadata + blob directory; every call takes the owner.
     """
-    def __init__(self, data_dir: str, sync: bool = True, check_at_open: bool = True, database_url: str = '') -> None:
+    def __init__(self, data_dir: str, sync: bool = True, check_at_open: bool = True, database_url: str = '', blob_mirror: BlobMirror = None) -> None:
         """
         Opens the store: blobs under data_dir, records in SQLite there unless database_url names another
         database (sqlite:///path.db, or postgresql://user:password@host:port/db shared by replicas).
+        With a blob_mirror, blobs live in it and data_dir/blobs is their local cache.
         """
     def add_key(self, user_id: typing.SupportsInt | typing.SupportsIndex, key_hash: str, hint: str) -> ApiKeyInfo:
         ...
@@ -792,7 +810,7 @@ class Store:
         ...
     def ping(self) -> None:
         """
-        Checks that the database answers; UnavailableError when it does not.
+        Checks that the database and the blob mirror answer; UnavailableError when they do not.
         """
     def revoke_key(self, key_id: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
@@ -800,7 +818,7 @@ class Store:
         ...
     def set_file_processed(self, owner: Owner, file_id: str, text: str | None = None) -> None:
         ...
-    def start_datablock(self, owner: Owner, datablock_id: str, fingerprint: str, config: str = '', num_tokens: typing.SupportsInt | typing.SupportsIndex = 0) -> DatablockRecord:
+    def start_datablock(self, owner: Owner, datablock_id: str, fingerprint: str, config: str = '', num_tokens: typing.SupportsInt | typing.SupportsIndex = 0, claimant: str = '', lease_s: typing.SupportsInt | typing.SupportsIndex = 0) -> DatablockRecord:
         ...
     def succeed_datablock(self, owner: Owner, datablock_id: str, cartridge: BlobWriter, progress: str, metrics: str) -> DatablockRecord:
         ...
@@ -815,11 +833,6 @@ class Store:
     @property
     def data_dir(self) -> str:
         ...
-    @property
-    def database_url(self) -> str:
-        """
-        The database_url it was opened with ("": SQLite in data_dir).
-        """
     @property
     def schema_version(self) -> int:
         ...

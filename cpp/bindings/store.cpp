@@ -21,6 +21,58 @@ void bind_store_errors(py::module_& m) {
   py::register_exception<UnavailableError>(m, "UnavailableError", store_error.ptr());
 }
 
+// BlobMirror implemented in Python (cartridges/blobs.py). Whatever the Python side raises
+// becomes an UnavailableError naming it: the store cannot tell a network failure from others.
+class PyBlobMirror : public BlobMirror {
+ public:
+  void upload(const std::string& blob_id, const std::string& local_path) override {
+    guarded([&] { PYBIND11_OVERRIDE_PURE(void, BlobMirror, upload, blob_id, local_path); });
+  }
+  bool download(const std::string& blob_id, const std::string& local_path) override {
+    bool found = false;
+    guarded([&] { found = download_py(blob_id, local_path); });
+    return found;
+  }
+  void remove(const std::string& blob_id) override {
+    guarded([&] { PYBIND11_OVERRIDE_PURE(void, BlobMirror, remove, blob_id); });
+  }
+  void check() override {
+    guarded([&] { PYBIND11_OVERRIDE_PURE(void, BlobMirror, check, ); });
+  }
+
+ private:
+  bool download_py(const std::string& blob_id, const std::string& local_path) {
+    PYBIND11_OVERRIDE_PURE(bool, BlobMirror, download, blob_id, local_path);
+  }
+  template <typename F>
+  static void guarded(F&& call) {
+    try {
+      call();
+    } catch (py::error_already_set& e) {
+      std::string message;
+      {
+        py::gil_scoped_acquire gil;
+        message = e.what();
+      }
+      // The exception's type and message, without the Python traceback pybind11 appends.
+      message = message.substr(0, message.find("\n\nAt:"));
+      throw UnavailableError("the object store failed: " + message);
+    }
+  }
+};
+
+void bind_blob_mirror(py::module_& m) {
+  py::class_<BlobMirror, PyBlobMirror, std::shared_ptr<BlobMirror>>(
+      m, "BlobMirror",
+      "Subclass to keep the store's blobs in a remote object store: upload(blob_id, local_path), "
+      "download(blob_id, local_path) -> bool (False: no such blob), remove(blob_id), check().")
+      .def(py::init<>())
+      .def("upload", &BlobMirror::upload, py::arg("blob_id"), py::arg("local_path"))
+      .def("download", &BlobMirror::download, py::arg("blob_id"), py::arg("local_path"))
+      .def("remove", &BlobMirror::remove, py::arg("blob_id"))
+      .def("check", &BlobMirror::check);
+}
+
 // What the store's calls take and return: owners, users, keys, file records and pages.
 void bind_store_records(py::module_& m) {
   py::class_<Owner>(m, "Owner", "Who is asking: a user, or the admin (acts on every user's objects).")
@@ -85,7 +137,8 @@ void bind_datablock_records(py::module_& m) {
       .def_readonly("created_at", &DatablockRecord::created_at)
       .def_readonly("started_at", &DatablockRecord::started_at)
       .def_readonly("finished_at", &DatablockRecord::finished_at)
-      .def_readonly("updated_at", &DatablockRecord::updated_at);
+      .def_readonly("updated_at", &DatablockRecord::updated_at)
+      .def_readonly("claimant", &DatablockRecord::claimant);
 
   py::class_<DatablockPage>(m, "DatablockPage")
       .def_readonly("data", &DatablockPage::data)
@@ -112,25 +165,28 @@ void bind_datablock_records(py::module_& m) {
 // Opening and closing, users and API keys, blob writers.
 void bind_store_users_and_blobs(StoreClass& store) {
   store
-      .def(py::init([](const std::string& data_dir, bool sync, bool check_at_open, const std::string& database_url) {
+      .def(py::init([](const std::string& data_dir, bool sync, bool check_at_open, const std::string& database_url,
+                       std::shared_ptr<BlobMirror> blob_mirror) {
              StoreOptions options;
              options.data_dir = data_dir;
              options.database_url = database_url;
+             options.blob_mirror = std::move(blob_mirror);
              options.sync = sync;
              options.check_at_open = check_at_open;
              py::gil_scoped_release release;
              return std::make_shared<Store>(options);
            }),
            py::arg("data_dir"), py::arg("sync") = true, py::arg("check_at_open") = true, py::arg("database_url") = "",
+           py::arg("blob_mirror") = nullptr,
+           py::keep_alive<1, 6>(),  // the Python mirror (its overrides) lives as long as the store
            "Opens the store: blobs under data_dir, records in SQLite there unless database_url names another\n"
-           "database (sqlite:///path.db, or postgresql://user:password@host:port/db shared by replicas).")
+           "database (sqlite:///path.db, or postgresql://user:password@host:port/db shared by replicas).\n"
+           "With a blob_mirror, blobs live in it and data_dir/blobs is their local cache.")
       .def("close", &Store::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("data_dir", [](const Store& s) { return s.options().data_dir; })
-      .def_property_readonly("database_url", [](const Store& s) { return s.options().database_url; },
-                             "The database_url it was opened with (\"\": SQLite in data_dir).")
       .def_property_readonly("schema_version", &Store::schema_version)
       .def("ping", &Store::ping, py::call_guard<py::gil_scoped_release>(),
-           "Checks that the database answers; UnavailableError when it does not.")
+           "Checks that the database and the blob mirror answer; UnavailableError when they do not.")
       .def_property_readonly("swept_at_open", &Store::swept_at_open)
       .def("create_user", &Store::create_user, py::arg("name"), py::call_guard<py::gil_scoped_release>())
       .def("find_user", &Store::find_user, py::arg("name"), py::call_guard<py::gil_scoped_release>())
@@ -211,8 +267,8 @@ void bind_store_datablocks(StoreClass& store) {
       .def("delete_datablock", &Store::delete_datablock, py::arg("owner"), py::arg("datablock_id"),
            py::call_guard<py::gil_scoped_release>())
       .def("start_datablock", &Store::start_datablock, py::arg("owner"), py::arg("datablock_id"),
-           py::arg("fingerprint"), py::arg("config") = "", py::arg("num_tokens") = 0,
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("fingerprint"), py::arg("config") = "", py::arg("num_tokens") = 0, py::arg("claimant") = "",
+           py::arg("lease_s") = 0, py::call_guard<py::gil_scoped_release>())
       .def("update_datablock_progress", &Store::update_datablock_progress, py::arg("owner"), py::arg("datablock_id"),
            py::arg("progress"), py::arg("metrics"), py::call_guard<py::gil_scoped_release>())
       .def("succeed_datablock", &Store::succeed_datablock, py::arg("owner"), py::arg("datablock_id"),
@@ -246,6 +302,7 @@ void bind_store_datablocks(StoreClass& store) {
 
 void bind_store(py::module_& m) {
   bind_store_errors(m);
+  bind_blob_mirror(m);
   bind_store_records(m);
   bind_datablock_records(m);
   StoreClass store(m, "Store", "SQLite metadata + blob directory; every call takes the owner.");

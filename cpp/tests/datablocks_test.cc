@@ -207,6 +207,26 @@ TEST_P(DatablocksTest, StartRecordsWhatTheConfigLeftToTheCorpus) {
   EXPECT_EQ(resumed.attempts, 2);
 }
 
+// Replicas on other machines: a running job's claimant keeps it while its heartbeat is
+// fresh; its own claimant may resume it at once; anyone may once the lease has run out.
+TEST_P(DatablocksTest, ARunningJobIsClaimedByOneWorkerAtATime) {
+  const std::string id = create(alice_, file_).run_id;
+  DatablockRecord started = store_->start_datablock(alice_, id, "fp", "", 0, "host-a:/data", 30);
+  EXPECT_EQ(started.claimant, "host-a:/data");
+  try {
+    store_->start_datablock(alice_, id, "fp", "", 0, "host-b:/data", 30);
+    FAIL() << "expected ConflictError";
+  } catch (const ConflictError& e) {
+    EXPECT_NE(std::string(e.what()).find("host-a:/data"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(store_->get_datablock(alice_, id).attempts, 1);
+  EXPECT_EQ(store_->start_datablock(alice_, id, "fp", "", 0, "host-a:/data", 30).attempts, 2);
+  // A lease of 0 s has run out already: the job is taken over.
+  DatablockRecord taken = store_->start_datablock(alice_, id, "fp", "", 0, "host-b:/data", 0);
+  EXPECT_EQ(taken.claimant, "host-b:/data");
+  EXPECT_EQ(taken.attempts, 3);
+}
+
 TEST_P(DatablocksTest, TheDatabaseItselfRefusesABackwardStatus) {
   DatablockRecord d = succeed(alice_, create(alice_, file_).run_id, "x");
   store_.reset();

@@ -90,11 +90,11 @@ TEST(StoreIo, RandomTokenUsesAlphabet) {
 TEST_P(StoreTest, MigratesAndReopens) {
   {
     auto s = open();
-    EXPECT_EQ(s->schema_version(), 2);
+    EXPECT_EQ(s->schema_version(), 3);
     s->create_user("alice");
   }
   auto s = open();
-  EXPECT_EQ(s->schema_version(), 2);
+  EXPECT_EQ(s->schema_version(), 3);
   ASSERT_TRUE(s->find_user("alice"));
   EXPECT_FALSE(s->find_user("bob"));
 }
@@ -139,7 +139,7 @@ TEST_P(StoreTest, StoresOpenedAtOnceShareTheDatabase) {
   std::set<int64_t> ids;
   for (const auto& s : stores) {
     ASSERT_TRUE(s);
-    EXPECT_EQ(s->schema_version(), 2);
+    EXPECT_EQ(s->schema_version(), 3);
     auto users = s->list_users();
     EXPECT_EQ(users.size(), static_cast<size_t>(kStores * kUsersEach));
     for (const auto& u : users) ids.insert(u.id);

@@ -16,13 +16,28 @@ def core() -> Any:
     return cartridges_core
 
 
-# The environment variable that names the store's database (Settings.database_url); training
-# workers get it from their server this way, never on their command line (it may hold a password).
+# The environment variables that name the store's database and blob store (Settings.database_url
+# and blob_url); training workers get them from their server this way, never on their command
+# line (a URL may hold a password).
 DATABASE_URL_ENV = "CARTRIDGES_DATABASE_URL"
+BLOB_URL_ENV = "CARTRIDGES_BLOB_URL"
 
 
-def open_store(data_dir: str | Path, *, sync: bool = True, database_url: str | None = None) -> Any:
+def open_store(data_dir: str | Path, *, sync: bool = True, database_url: str | None = None,
+               blob_url: str | None = None) -> Any:
     """Opens (creating if needed) the store under data_dir: migrations applied, leftovers swept.
     Records live in SQLite under data_dir unless `database_url` names another database
-    ("sqlite:///path.db", or "postgresql://user:password@host:port/db" shared by replicas)."""
-    return core().Store(str(Path(data_dir)), sync=sync, database_url=database_url or "")
+    ("sqlite:///path.db", or "postgresql://user:password@host:port/db" shared by replicas);
+    blobs live under data_dir unless `blob_url` names an object store ("s3://bucket/prefix"),
+    data_dir/blobs then being their local cache."""
+    mirror = None
+    if blob_url:
+        from .blobs import open_blob_mirror
+
+        mirror = open_blob_mirror(blob_url)
+    return core().Store(str(Path(data_dir)), sync=sync, database_url=database_url or "", blob_mirror=mirror)
+
+
+def store_env(database_url: str | None, blob_url: str | None) -> dict[str, str]:
+    """The environment that makes a child process (a training worker) open the same store."""
+    return {DATABASE_URL_ENV: database_url or "", BLOB_URL_ENV: blob_url or ""}

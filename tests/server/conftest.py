@@ -112,9 +112,10 @@ class LiveServer:
     def add_user(self, name: str | None = None) -> str:
         """A new user with a key, created through the store while the server runs."""
         from cartridges.server.keys import create_key
-        from cartridges.store import DATABASE_URL_ENV, open_store
+        from cartridges.store import BLOB_URL_ENV, DATABASE_URL_ENV, open_store
 
-        store = open_store(self.data_dir, database_url=self.env.get(DATABASE_URL_ENV))
+        store = open_store(self.data_dir, database_url=self.env.get(DATABASE_URL_ENV),
+                           blob_url=self.env.get(BLOB_URL_ENV))
         try:
             return create_key(store, name or f"user-{uuid.uuid4().hex[:12]}")
         finally:
@@ -125,6 +126,20 @@ class LiveServer:
 
     def tmp_names(self) -> list[str]:
         return [p.name for p in (self.data_dir / "blobs" / "tmp").iterdir()]
+
+
+def running_replicas(*replicas: LiveServer) -> Iterator[tuple[LiveServer, ...]]:
+    """Starts the replicas in order for a fixture to yield; stops every one started, however
+    the test ends."""
+    started: list[LiveServer] = []
+    try:
+        for replica in replicas:
+            started.append(replica)
+            replica.start()
+        yield tuple(replicas)
+    finally:
+        for replica in reversed(started):
+            replica.stop()
 
 
 def start_server(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs: int) -> LiveServer:

@@ -138,3 +138,34 @@ def test_a_job_held_by_another_servers_worker_is_passed_over(store, tiny_model_d
     finally:
         os.close(fd)
     assert supervisor._next_job().run_id == held
+
+
+def test_a_job_claimed_by_another_server_is_left_to_it_while_its_heartbeat_lasts(
+        store, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Servers on other machines: the claimant recorded at start and the heartbeat keep a job
+    to one worker; when the heartbeat stops, another server resumes it."""
+    from cartridges.jobs import supervisor as supervisor_module
+    from cartridges.jobs.worker import EXIT_BUSY
+
+    owner, file_id, run_id = queue_job(store, tiny_model_dir)
+    store.set_file_processed(owner, file_id, None)
+    store.start_datablock(owner, run_id, "", claimant="elsewhere:/srv/data", lease_s=16)
+    supervisor = Supervisor(store, store.data_dir)
+    assert supervisor._next_job() is None  # its worker is alive on the other machine
+
+    # A worker started here anyway (a race) finds it claimed and leaves it, counting nothing.
+    assert run_job(run_id, store.data_dir) == EXIT_BUSY
+    record = store.get_datablock(owner, run_id)
+    assert (record.status, record.attempts, record.claimant) == ("running", 1, "elsewhere:/srv/data")
+
+    # The other machine's worker died: once its heartbeat is older than the lease, this
+    # server takes the job over and runs it to the end.
+    from cartridges.jobs import progress as progress_module
+
+    monkeypatch.setattr(supervisor_module, "LEASE_S", 1.0)
+    monkeypatch.setattr(progress_module, "LEASE_S", 1.0)
+    time.sleep(2.1)
+    assert supervisor._next_job().run_id == run_id
+    assert run_job(run_id, store.data_dir) == 0
+    record = store.get_datablock(owner, run_id)
+    assert (record.status, record.attempts) == ("succeeded", 2), (record.error_code, record.error_message)

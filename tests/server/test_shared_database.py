@@ -22,7 +22,7 @@ import pytest
 from cartridges.store import DATABASE_URL_ENV
 from postgres_server import PostgresServer, fresh_database
 
-from .conftest import API_KEY, LiveServer
+from .conftest import API_KEY, LiveServer, running_replicas
 
 pytestmark = pytest.mark.slow
 
@@ -34,15 +34,9 @@ def _replica(data_dir: Path, database_url: str, model: Path) -> LiveServer:
 @pytest.fixture
 def replicas(tmp_path: Path, postgres_url: str, tiny_model_dir: Path) -> Iterator[tuple[LiveServer, LiveServer]]:
     data_dir = tmp_path / "data"
-    first = _replica(data_dir, postgres_url, tiny_model_dir).start()
     second = _replica(data_dir, postgres_url, tiny_model_dir)
     second.log_path = tmp_path / "second-server.log"
-    try:
-        second.start()
-        yield first, second
-    finally:
-        second.stop()
-        first.stop()
+    yield from running_replicas(_replica(data_dir, postgres_url, tiny_model_dir), second)
 
 
 def test_files_uploaded_through_one_replica_are_served_by_the_other(replicas: tuple[LiveServer, LiveServer]) -> None:

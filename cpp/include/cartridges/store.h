@@ -72,6 +72,22 @@ class UnavailableError : public StoreError {
   using StoreError::StoreError;
 };
 
+// A remote home for blobs (an object store such as S3), with the data directory's blobs/ as
+// its local cache. Implemented in Python over a maintained client (cartridges/blobs.py). Every
+// failure to reach it is an UnavailableError.
+class BlobMirror {
+ public:
+  virtual ~BlobMirror() = default;
+  // Copies a committed local blob file to the remote; returns when it is durable there.
+  virtual void upload(const std::string& blob_id, const std::string& local_path) = 0;
+  // Fetches a blob into local_path; false when the remote has no such blob.
+  virtual bool download(const std::string& blob_id, const std::string& local_path) = 0;
+  // Removes a blob from the remote (no error when it is not there).
+  virtual void remove(const std::string& blob_id) = 0;
+  // Checks that the remote answers.
+  virtual void check() = 0;
+};
+
 struct StoreOptions {
   // Directory holding store.db and blobs/; created if missing. Required.
   std::string data_dir;
@@ -85,6 +101,10 @@ struct StoreOptions {
   int busy_timeout_ms = 5000;
   // Run `PRAGMA quick_check` at open and refuse a damaged database (SQLite). Default true.
   bool check_at_open = true;
+  // When set, every blob is uploaded here before it is recorded and removed here after its
+  // record; blobs/ keeps the blobs this process wrote or read, and a recorded blob missing from
+  // it is fetched on first use. Replicas on different machines then share the blobs.
+  std::shared_ptr<BlobMirror> blob_mirror;
 };
 
 // Who is asking. Built by the HTTP layer from the API key; the store enforces it.
@@ -158,6 +178,7 @@ struct DatablockRecord {
   std::optional<int64_t> started_at;
   std::optional<int64_t> finished_at;
   int64_t updated_at = 0;  // last write by anyone: the job's heartbeat
+  std::string claimant;    // who started the job last ("<host>:<data_dir>"; "" before)
 
   // "<owner>/<project>/<run_id>", the identifier clients use.
   std::string id() const { return owner_name + "/" + project + "/" + run_id; }
@@ -225,8 +246,8 @@ class Store {
   void close();
   const StoreOptions& options() const { return options_; }
   int schema_version();
-  // Checks that the database answers, re-establishing a dropped connection (UnavailableError
-  // when it cannot).
+  // Checks that the database (and the blob mirror, if any) answer, re-establishing a dropped
+  // connection (UnavailableError when they do not).
   void ping();
   // How many leftovers (temporaries, unrecorded blobs) the sweep at open removed.
   int64_t swept_at_open() const { return swept_; }
@@ -277,11 +298,14 @@ class Store {
   // scratch directory), whatever the status: a live job notices on its next write and stops.
   void delete_datablock(const Owner& owner, const std::string& id);
   // queued → running (or running → running when a job resumes); counts an attempt and
-  // records the base-model fingerprint. ConflictError from any other status. A non-empty
-  // `config` (JSON object) and a positive `num_tokens` replace the record's: the job has
-  // decided what the config left to the corpus.
+  // records the base-model fingerprint and the claimant. ConflictError from any other status,
+  // and for a running job whose claimant is another one and whose last write is less than
+  // `lease_s` seconds old (its worker is alive elsewhere). A non-empty `config` (JSON object)
+  // and a positive `num_tokens` replace the record's: the job has decided what the config
+  // left to the corpus.
   DatablockRecord start_datablock(const Owner& owner, const std::string& id, const std::string& fingerprint,
-                                  const std::string& config = "", int64_t num_tokens = 0);
+                                  const std::string& config = "", int64_t num_tokens = 0,
+                                  const std::string& claimant = "", int64_t lease_s = 0);
   // Progress and metrics (JSON objects) of a running job. ConflictError unless running: a
   // job that was cancelled stops when its write is refused.
   void update_datablock_progress(const Owner& owner, const std::string& id, const std::string& progress,
@@ -322,6 +346,8 @@ class Store {
   std::string blob_path(const std::string& blob_id) const;
   // Reads a blob whole, checking size and CRC-32 (CorruptError); returns it when keep.
   std::string read_blob(const BlobRef& blob, const std::string& what, bool keep) const;
+  // Fetches a recorded blob missing from blobs/ from the mirror, if there is one.
+  void ensure_local(const BlobRef& blob, const std::string& what) const;
   // Path of a blob after checking it exists with its recorded size (CorruptError naming `what`).
   std::string checked_blob_path(const BlobRef& blob, const std::string& what) const;
   void insert_blob_locked(const BlobRef& blob);  // records a committed blob (inside a transaction)

@@ -28,7 +28,7 @@ std::string datablock_not_found(const std::string& id) { return "No such datablo
 constexpr const char* kDatablockSelect =
     "SELECT d.run_id, d.owner_id, u.name, d.project, d.model, d.model_path, d.fingerprint, d.training_files, "
     "d.config, d.status, d.progress, d.metrics, d.error_code, d.error_message, d.attempts, d.num_tokens, b.bytes, "
-    "d.created_at, d.started_at, d.finished_at, d.updated_at "
+    "d.created_at, d.started_at, d.finished_at, d.updated_at, d.claimant "
     "FROM datablocks d JOIN users u ON u.id = d.owner_id LEFT JOIN blobs b ON b.id = d.blob_id ";
 
 DatablockRecord read_datablock_row(const Stmt& s) {
@@ -54,6 +54,7 @@ DatablockRecord read_datablock_row(const Stmt& s) {
   d.started_at = s.opt_int64(18);
   d.finished_at = s.opt_int64(19);
   d.updated_at = s.int64(20);
+  d.claimant = s.text(21);
   return d;
 }
 
@@ -256,15 +257,25 @@ DatablockRecord Store::transition_locked(const Owner& owner, const std::string& 
 }
 
 DatablockRecord Store::start_datablock(const Owner& owner, const std::string& id, const std::string& fingerprint,
-                                       const std::string& config, int64_t num_tokens) {
+                                       const std::string& config, int64_t num_tokens, const std::string& claimant,
+                                       int64_t lease_s) {
   if (!config.empty()) checked_json_object(config, "config");
   if (num_tokens < 0) throw std::invalid_argument("num_tokens must be non-negative (0: unchanged)");
   std::lock_guard<std::mutex> lock(mutex_);
   Transaction tx(db());
+  {
+    // Checked and claimed in one transaction: writers are serialized, so of two workers that
+    // start one job at once (two replicas), exactly one claims it.
+    DatablockRecord current = get_datablock_locked(owner, id);
+    if (current.status == "running" && !current.claimant.empty() && current.claimant != claimant &&
+        store_common::now() - current.updated_at < lease_s) {
+      throw ConflictError("datablock '" + current.id() + "' is running in another worker (" + current.claimant + ")");
+    }
+  }
   DatablockRecord record = transition_locked(owner, id, {"queued", "running"}, "running",
                                              ", attempts = attempts + 1, started_at = COALESCE(started_at, ?3), "
-                                             "fingerprint = ?4",
-                                             {fingerprint});
+                                             "fingerprint = ?4, claimant = ?5",
+                                             {fingerprint, claimant});
   if (!config.empty() || num_tokens > 0) {
     // What the config left to the corpus, decided now that the job has read its files.
     Stmt(*db_, "UPDATE datablocks SET config = CASE WHEN ?2 = '' THEN config ELSE ?2 END, "

@@ -171,9 +171,17 @@ CREATE TRIGGER datablocks_status_forward BEFORE UPDATE OF status ON datablocks
 FOR EACH ROW EXECUTE FUNCTION datablocks_status_forward();
 )sql";
 
+// 3 (both engines): who holds a running job. `claimant` names the data directory whose
+// worker started it ("<host>:<data_dir>"): within one data directory the job's lock file keeps
+// a second worker out; across data directories (replicas on other machines) the claimant and
+// the heartbeat in updated_at do.
+static const char* kMigration3 = R"sql(
+ALTER TABLE datablocks ADD COLUMN claimant TEXT NOT NULL DEFAULT '';
+)sql";
+
 const std::vector<const char*>& migrations(sql::Dialect dialect) {
-  static const std::vector<const char*> sqlite = {kMigration1, kMigration2};
-  static const std::vector<const char*> postgresql = {kPgMigration1, kPgMigration2};
+  static const std::vector<const char*> sqlite = {kMigration1, kMigration2, kMigration3};
+  static const std::vector<const char*> postgresql = {kPgMigration1, kPgMigration2, kMigration3};
   return dialect == sql::Dialect::postgresql ? postgresql : sqlite;
 }
 

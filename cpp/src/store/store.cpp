@@ -124,8 +124,11 @@ int Store::schema_version() {
 }
 
 void Store::ping() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  Stmt(db(), "SELECT 1").run();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Stmt(db(), "SELECT 1").run();
+  }
+  if (options_.blob_mirror) options_.blob_mirror->check();
 }
 
 void Store::migrate() {
@@ -280,20 +283,52 @@ Store::BlobRef Store::commit_blob(BlobWriter& writer) {
     throw StoreError(message);
   }
   writer.tmp_path_.clear();  // now owned by the caller, who records or removes it
-  if (options_.sync) {
-    try {
-      store_io::fsync_dir(options_.data_dir + "/blobs");
-    } catch (...) {
-      ::unlink(path.c_str());
-      throw;
-    }
+  try {
+    if (options_.sync) store_io::fsync_dir(options_.data_dir + "/blobs");
+    // Durable in the mirror before it is recorded: a record never names a blob only one
+    // machine has.
+    if (options_.blob_mirror) options_.blob_mirror->upload(ref.id, path);
+  } catch (...) {
+    ::unlink(path.c_str());
+    throw;
   }
   return ref;
 }
 
 void Store::remove_blob_file(const std::string& blob_id) {
-  // A failure leaves an unrecorded blob, which the next sweep removes.
+  // A failure leaves an unrecorded blob, which the next sweep removes (locally; the mirror's
+  // copy then stays as an orphan).
   ::unlink(blob_path(blob_id).c_str());
+  if (options_.blob_mirror) {
+    try {
+      options_.blob_mirror->remove(blob_id);
+    } catch (const StoreError&) {
+    }
+  }
+}
+
+void Store::ensure_local(const BlobRef& blob, const std::string& what) const {
+  const std::string path = blob_path(blob.id);
+  if (!options_.blob_mirror || ::access(path.c_str(), F_OK) == 0) return;
+  const std::string tmp =
+      options_.data_dir + "/blobs/tmp/" + store_io::random_token(kBlobIdChars, store_io::kLowerHex);
+  bool found = false;
+  try {
+    found = options_.blob_mirror->download(blob.id, tmp);
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  if (!found) {
+    ::unlink(tmp.c_str());
+    throw CorruptError(what + " is missing from the object store (blob " + blob.id + ")");
+  }
+  // Another reader may have fetched it meanwhile: the rename replaces a file of the same bytes.
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::string message = store_io::errno_message("cannot rename into", path);
+    ::unlink(tmp.c_str());
+    throw StoreError(message);
+  }
 }
 
 void Store::insert_blob_locked(const BlobRef& blob) {
@@ -306,6 +341,7 @@ void Store::insert_blob_locked(const BlobRef& blob) {
 }
 
 std::string Store::checked_blob_path(const BlobRef& blob, const std::string& what) const {
+  ensure_local(blob, what);
   const std::string path = blob_path(blob.id);
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) throw CorruptError(what + " is missing");
@@ -317,6 +353,7 @@ std::string Store::checked_blob_path(const BlobRef& blob, const std::string& wha
 }
 
 std::string Store::read_blob(const BlobRef& blob, const std::string& what, bool keep) const {
+  ensure_local(blob, what);
   const std::string path = blob_path(blob.id);
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw CorruptError(what + " is missing (blob " + blob.id + ")");

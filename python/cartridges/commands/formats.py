@@ -98,7 +98,7 @@ def _stored_cartridge(args: argparse.Namespace) -> tuple[Any, str]:
     settings = Settings.from_env(data_dir=args.data_dir)
     if not Path(settings.data_dir).is_dir():  # opening the store would create one there
         raise LookupError(f"'{args.source}' is neither a file nor a datablock (no store at {settings.data_dir})")
-    store = open_store(settings.data_dir, database_url=settings.database_url)
+    store = open_store(settings.data_dir, database_url=settings.database_url, blob_url=settings.blob_url)
     try:
         admin = core().Owner(0, True)
         try:
@@ -128,7 +128,7 @@ def run_import(args: argparse.Namespace) -> int:
     except CartridgeFileError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    store = open_store(settings.data_dir, database_url=settings.database_url)
+    store = open_store(settings.data_dir, database_url=settings.database_url, blob_url=settings.blob_url)
     try:
         user = store.find_user(args.user)
         if user is None:

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from cartridges.store import core, open_store
 
     settings = Settings.from_env(data_dir=args.data_dir)
-    store = open_store(settings.data_dir, database_url=settings.database_url)
+    store = open_store(settings.data_dir, database_url=settings.database_url, blob_url=settings.blob_url)
     errors = core()
     try:
         if args.action == "create":

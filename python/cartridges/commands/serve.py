@@ -20,6 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--database-url", metavar="URL",
                    help="where records live: postgresql://user:password@host:port/db shared by replicas, or "
                         "sqlite:///path.db (CARTRIDGES_DATABASE_URL; default SQLite in the data directory)")
+    p.add_argument("--blob-url", metavar="URL",
+                   help="where blobs live: s3://bucket/prefix, with the AWS_* variables (CARTRIDGES_BLOB_URL; "
+                        "default: the data directory)")
     p.add_argument("--model", help="base model: HF directory or GGUF file (CARTRIDGES_MODEL; default: embedded)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"],
                    help="where the model runs (CARTRIDGES_DEVICE; default auto: cuda when available)")
@@ -51,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         settings = Settings.from_env(
-            host=args.host, port=args.port, data_dir=args.data_dir, database_url=args.database_url, model=args.model, device=args.device,
+            host=args.host, port=args.port, data_dir=args.data_dir, database_url=args.database_url,
+            blob_url=args.blob_url, model=args.model, device=args.device,
             kv_tokens=args.kv_tokens, cartridge_memory_mib=args.cartridge_memory_mib,
             serve_threads=args.serve_threads, worker_threads=args.worker_threads, max_jobs=args.max_jobs,
             int8_activations=args.int8_activations)

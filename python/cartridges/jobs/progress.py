@@ -10,6 +10,9 @@ import time
 from typing import Any
 
 HEARTBEAT_S = 2.0
+# A running job whose last write is older than this has lost its worker: another server
+# sharing the store may resume it (Store.start_datablock's lease_s).
+LEASE_S = 8 * HEARTBEAT_S
 MIN_WRITE_INTERVAL_S = 1.0
 
 

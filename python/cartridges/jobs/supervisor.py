@@ -19,15 +19,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..cores import cpu_cores
 
-from ..store import DATABASE_URL_ENV
-from .worker import EXIT_BUSY, job_is_locked
+from .progress import LEASE_S
+from .worker import EXIT_BUSY, claimant_id, job_is_locked
 
 log = logging.getLogger("cartridges.jobs")
 
@@ -55,8 +55,10 @@ def default_worker_threads() -> int:
 class Supervisor:
     def __init__(self, store: Any, data_dir: str | os.PathLike[str], *, max_jobs: int = 1,
                  worker_threads: int = 0, int8_activations: bool = True, poll_s: float = POLL_S,
+                 store_env: Mapping[str, str] | None = None,
                  on_workers_changed: Callable[[int], None] | None = None) -> None:
-        """`on_workers_changed(n)` is called from the supervisor thread whenever the number of
+        """`store_env`: the environment that makes a worker open the same store (store.store_env).
+        `on_workers_changed(n)` is called from the supervisor thread whenever the number of
         running workers changes (the server gives the engine's cores back and forth with it)."""
         from ..store import core
 
@@ -64,6 +66,8 @@ class Supervisor:
         self._admin = self._core.Owner(0, True)
         self._store = store
         self._data_dir = str(data_dir)
+        self._store_env = dict(store_env or {})
+        self._claimant = claimant_id(self._data_dir)
         self.max_jobs = max(1, max_jobs)
         self.worker_threads = worker_threads or default_worker_threads()
         self.int8_activations = int8_activations
@@ -166,13 +170,17 @@ class Supervisor:
             page = self._store.list_datablocks(self._admin, status=status, descending=False,
                                                limit=len(self._workers) + NEXT_JOB_WINDOW)
             for record in page.data:
-                if record.run_id not in self._workers and not self._held_elsewhere(record.run_id):
+                if record.run_id not in self._workers and not self._held_elsewhere(record):
                     return record
         return None
 
-    def _held_elsewhere(self, run_id: str) -> bool:
+    def _held_elsewhere(self, record: Any) -> bool:
+        """A worker runs it: one of this data directory (its lock file is taken), or one of
+        another server sharing the store (it claimed the job and its heartbeat is fresh)."""
+        if record.claimant not in ("", self._claimant) and time.time() - record.updated_at < LEASE_S:
+            return True
         try:
-            return job_is_locked(self._store.job_dir(self._admin, run_id))
+            return job_is_locked(self._store.job_dir(self._admin, record.run_id))
         except (self._core.NotFoundError, self._core.ConflictError):
             return True  # deleted or ended meanwhile: nothing to start
 
@@ -183,7 +191,7 @@ class Supervisor:
             return  # deleted or ended meanwhile
         env = dict(os.environ, CARTRIDGES_WORKER_THREADS=str(self.worker_threads),
                    CARTRIDGES_INT8_ACTIVATIONS="1" if self.int8_activations else "0",
-                   **{DATABASE_URL_ENV: self._store.database_url})
+                   **self._store_env)
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "cartridges.jobs.worker", run_id, self._data_dir],

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,10 @@ DEFAULT_CHECKPOINT_EVERY = 10
 EXIT_BUSY = 75  # another worker holds this job
 
 
+class HeldElsewhere(Exception):
+    """Another server sharing the store runs this job (its worker claimed it first)."""
+
+
 class JobFailed(Exception):
     """The job cannot succeed; `code` and the message become the datablock's `error`."""
 
@@ -41,13 +46,13 @@ class JobFailed(Exception):
         self.code = code
 
 
-def run_job(run_id: str, data_dir: str | os.PathLike[str], database_url: str = "") -> int:
-    """Trains datablock `run_id` of the store in `data_dir` (its records in `database_url`, see
-    open_store) to its end; returns an exit code."""
+def run_job(run_id: str, data_dir: str | os.PathLike[str], database_url: str = "", blob_url: str = "") -> int:
+    """Trains datablock `run_id` of the store in `data_dir` (its records in `database_url`, its
+    blobs in `blob_url`: see open_store) to its end; returns an exit code."""
     from ..store import core as compiled_core, open_store
 
     core = compiled_core()
-    store = open_store(data_dir, database_url=database_url)
+    store = open_store(data_dir, database_url=database_url, blob_url=blob_url)
     admin = core.Owner(0, True)
     try:
         record = store.get_datablock(admin, run_id)
@@ -63,6 +68,8 @@ def run_job(run_id: str, data_dir: str | os.PathLike[str], database_url: str = "
         progress = JobProgress(store, owner, run_id, cancel, core)
         try:
             _train(store, owner, record, progress, cancel)
+        except HeldElsewhere:
+            return EXIT_BUSY
         except JobFailed as failure:
             _fail(store, owner, run_id, failure.code, str(failure))
         except (core.NotFoundError, core.ConflictError):
@@ -100,7 +107,16 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> N
     # the number of conversations) is decided once, here, and the datablock shows it from now on.
     corpus = Corpus.from_texts(model.tokenizer, texts)
     config = config.for_corpus(len(corpus))
-    store.start_datablock(owner, run_id, model.fingerprint, json.dumps(config.to_dict()), config.num_tokens)
+    from ..store import core
+    from .progress import LEASE_S
+
+    try:
+        store.start_datablock(owner, run_id, model.fingerprint, json.dumps(config.to_dict()), config.num_tokens,
+                              claimant=claimant_id(store.data_dir), lease_s=int(LEASE_S))
+    except core().ConflictError:
+        if store.get_datablock(owner, run_id).status == "running":
+            raise HeldElsewhere(run_id) from None  # another server's worker claimed it a moment ago
+        raise
     progress.start()
     scratch = Path(store.job_dir(owner, run_id))
 
@@ -204,6 +220,12 @@ def _lock_job(scratch: str) -> int | None:
     return fd
 
 
+def claimant_id(data_dir: str | os.PathLike[str]) -> str:
+    """Who runs a job, as recorded in the store: this machine and data directory, the scope in
+    which the job's lock file keeps a second worker out."""
+    return f"{socket.gethostname()}:{os.path.realpath(data_dir)}"
+
+
 def job_is_locked(scratch: str) -> bool:
     """Whether a worker (of this server or of another sharing the data directory) holds the job."""
     fd = _lock_job(scratch)
@@ -237,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     threads = int(os.environ.get("CARTRIDGES_WORKER_THREADS") or 0)
     if threads > 0:
         torch.set_num_threads(threads)
-    from ..store import DATABASE_URL_ENV
+    from ..store import BLOB_URL_ENV, DATABASE_URL_ENV
 
-    return run_job(args[0], args[1], os.environ.get(DATABASE_URL_ENV, ""))
+    return run_job(args[0], args[1], os.environ.get(DATABASE_URL_ENV, ""), os.environ.get(BLOB_URL_ENV, ""))
 
 
 if __name__ == "__main__":

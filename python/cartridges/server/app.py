@@ -19,7 +19,7 @@ from cartridges.server.openapi_examples import add_examples
 from cartridges.server.routers import chat, datablocks, files, serving
 from cartridges.server.serving import Serving
 from cartridges.server.settings import Settings
-from cartridges.store import core, open_store
+from cartridges.store import core, open_store, store_env
 
 API_PREFIXES = ("/api/v1", "/v1")
 
@@ -38,7 +38,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = open_store(settings.data_dir, sync=settings.store_sync, database_url=settings.database_url)
+        store = open_store(settings.data_dir, sync=settings.store_sync, database_url=settings.database_url,
+                           blob_url=settings.blob_url)
         try:
             keys.bootstrap(store, settings.api_key)
             admin = None
@@ -50,7 +51,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await app.state.extractor.start()
             supervisor = Supervisor(store, settings.data_dir, max_jobs=settings.max_jobs,
                                     worker_threads=settings.worker_threads,
-                                    int8_activations=settings.int8_activations)
+                                    int8_activations=settings.int8_activations,
+                                    store_env=store_env(settings.database_url, settings.blob_url))
             app.state.serving = Serving(settings, store, worker_threads=supervisor.worker_threads,
                                         max_jobs=supervisor.max_jobs)
             supervisor.on_workers_changed = app.state.serving.training_jobs_changed

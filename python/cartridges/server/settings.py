@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..store import DATABASE_URL_ENV
+from ..store import BLOB_URL_ENV, DATABASE_URL_ENV
 
 MiB = 1 << 20
 # docs/api.md §5: the largest file an upload may carry.
@@ -21,6 +21,7 @@ ENV_VARS = {
     "port": "CARTRIDGES_PORT",
     "data_dir": "CARTRIDGES_DATA_DIR",
     "database_url": DATABASE_URL_ENV,
+    "blob_url": BLOB_URL_ENV,
     "model": "CARTRIDGES_MODEL",
     "max_upload_bytes": "CARTRIDGES_MAX_UPLOAD_BYTES",
     "api_key": "CARTRIDGES_API_KEY",
@@ -51,7 +52,11 @@ class Settings(BaseModel):
     database_url: str | None = Field(None, pattern=r"^(sqlite:///|postgres(ql)?://).+")
     """Where the store's records live: None keeps SQLite in data_dir; sqlite:///path.db names
     another SQLite file; postgresql://user:password@host:port/db a PostgreSQL database that
-    several servers share (blobs stay in data_dir)."""
+    several servers share."""
+    blob_url: str | None = Field(None, pattern=r"^s3://[^/]+(/.*)?$")
+    """Where blobs (uploaded files, cartridges) live: None keeps them in data_dir; s3://bucket/prefix
+    an S3-compatible object store (AWS_ENDPOINT_URL and the other AWS_* variables), data_dir/blobs
+    then being a local cache."""
     model: str | None = None
     """Base model: a Hugging Face directory or a GGUF file; None is the embedded default model."""
     max_upload_bytes: int = Field(MAX_UPLOAD_BYTES, ge=1)

@@ -1,0 +1,115 @@
+"""Blobs in an S3 object store (CARTRIDGES_BLOB_URL), against moto's real HTTP S3 endpoint:
+the store uploads before it records, fetches on first use, removes after deleting; an
+unreachable store is an UnavailableError that records nothing. Then the whole topology: two
+replicas with their own data directories, one PostgreSQL database and one bucket, a datablock
+trained through one and served by the other."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cartridges import Client
+from cartridges.store import BLOB_URL_ENV, DATABASE_URL_ENV, core, open_store
+from s3_server import S3Server
+
+from .conftest import LiveServer, running_replicas, upload_text
+from .tiny_hf_model import DOCUMENT, TINY_TRAIN_CONFIG
+
+
+def _objects(s3: S3Server, blob_url: str) -> set[str]:
+    bucket, prefix = blob_url[len("s3://"):].split("/", 1)
+    listed = s3.client().list_objects_v2(Bucket=bucket, Prefix=prefix + "/")
+    return {item["Key"].rsplit("/", 1)[1] for item in listed.get("Contents", [])}
+
+
+def _put(store, owner, content: bytes) -> str:
+    writer = store.begin_blob()
+    writer.write(content)
+    return store.create_file(owner, writer, "a.txt", "assistants").id
+
+
+def test_blobs_are_uploaded_fetched_on_first_use_and_removed(tmp_path: Path, s3_server: S3Server,
+                                                            s3_blob_url: str) -> None:
+    store = open_store(tmp_path / "data", sync=False, blob_url=s3_blob_url)
+    owner = core().Owner(store.create_user("alice").id, False)
+    file_id = _put(store, owner, b"x" * 100_000)
+    local = {p.name for p in (tmp_path / "data" / "blobs").iterdir() if p.is_file()}
+    assert _objects(s3_server, s3_blob_url) == local and len(local) == 1
+
+    # Another machine's cache (here: an emptied one) fetches the blob on first use, checked.
+    for name in local:
+        (tmp_path / "data" / "blobs" / name).unlink()
+    assert Path(store.file_content_path(owner, file_id)).read_bytes() == b"x" * 100_000
+    store.verify_file(owner, file_id)
+
+    # A blob the object store lost is a CorruptError naming it, not a crash.
+    second = _put(store, owner, b"second")
+    lost = _objects(s3_server, s3_blob_url) - local
+    bucket, prefix = s3_blob_url[len("s3://"):].split("/", 1)
+    s3_server.client().delete_object(Bucket=bucket, Key=f"{prefix}/{lost.pop()}")
+    for path in (tmp_path / "data" / "blobs").iterdir():
+        if path.is_file() and path.name not in local:
+            path.unlink()
+    with pytest.raises(core().CorruptError, match="missing from the object store"):
+        store.verify_file(owner, second)
+
+    store.delete_file(owner, file_id)
+    assert _objects(s3_server, s3_blob_url) == set()
+    store.close()
+
+
+def test_an_unreachable_object_store_records_nothing(tmp_path: Path, s3_blob_url: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    store = open_store(tmp_path / "data", sync=False, blob_url=s3_blob_url)
+    owner = core().Owner(store.create_user("alice").id, False)
+    store.ping()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")  # nothing listens there
+    down = open_store(tmp_path / "data", sync=False, blob_url=s3_blob_url)
+    with pytest.raises(core().UnavailableError, match="object store"):
+        _put(down, owner, b"never stored")
+    with pytest.raises(core().UnavailableError):
+        down.ping()
+    assert down.list_files(owner).data == []
+    assert not [p for p in (tmp_path / "data" / "blobs").iterdir() if p.is_file()]
+    assert not list((tmp_path / "data" / "blobs" / "tmp").iterdir())
+    down.close()
+    store.close()
+
+
+@pytest.fixture
+def replicas(tmp_path: Path, postgres_url: str, s3_server: S3Server, s3_blob_url: str,
+             tiny_model_dir: Path) -> Iterator[tuple[LiveServer, LiveServer]]:
+    """Two servers as on two machines: their own data directories, one database, one bucket."""
+    env = {DATABASE_URL_ENV: postgres_url, BLOB_URL_ENV: s3_blob_url, "CARTRIDGES_WORKER_THREADS": "1",
+           **s3_server.env}
+    yield from running_replicas(LiveServer(tmp_path / "first", model=tiny_model_dir, env=env),
+                                LiveServer(tmp_path / "second", model=tiny_model_dir, env=env))
+
+
+@pytest.mark.slow
+def test_a_datablock_trained_through_one_replica_is_served_by_another(
+        replicas: tuple[LiveServer, LiveServer]) -> None:
+    first, second = replicas
+    key = first.add_user("alice")
+    file_id = upload_text(first.openai(key), DOCUMENT)
+    assert second.openai(key).files.content(file_id).read() == DOCUMENT.encode()
+    assert second.blob_names()  # fetched into the second machine's cache
+
+    with Client(first.url, key) as client:
+        block = client.datablocks.train([file_id], name="handbook", config=TINY_TRAIN_CONFIG)
+    with Client(second.url, key) as client:
+        done = client.datablocks.wait(block["id"], timeout=180, poll_interval=0.2, progress=False)
+    assert done["status"] == "succeeded", done
+
+    reply = second.openai(key).chat.completions.create(
+        model=block["id"], messages=[{"role": "user", "content": "What is in the handbook?"}],
+        temperature=0, max_tokens=6)
+    assert reply.choices[0].message.content is not None
+    # The cartridge came from the object store into the second machine's cache; the first
+    # replica never loaded it, yet serves it too.
+    assert len(second.blob_names()) >= 2
+    loaded = first.http(key).post("/preload", json=[block["id"]])
+    assert loaded.status_code == 200, loaded.text
