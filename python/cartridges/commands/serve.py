@@ -39,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="threads of each training job's worker (CARTRIDGES_WORKER_THREADS; default 0: half the cores)")
     p.add_argument("--max-jobs", type=int, metavar="N",
                    help="training jobs run at once (CARTRIDGES_MAX_JOBS; default 1)")
+    p.add_argument("--job-backend", choices=["local", "ray"],
+                   help="where training jobs run: local worker processes, or tasks on the Ray cluster of "
+                        "RAY_ADDRESS (CARTRIDGES_JOB_BACKEND; default local)")
     p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
                    help="on CPU with a GGUF's quantized weights, round activations to 8 bits as llama.cpp "
                    "does, about 2x faster decode; --no-int8-activations keeps float32 activations, "
@@ -58,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
             blob_url=args.blob_url, model=args.model, device=args.device,
             kv_tokens=args.kv_tokens, cartridge_memory_mib=args.cartridge_memory_mib,
             serve_threads=args.serve_threads, worker_threads=args.worker_threads, max_jobs=args.max_jobs,
+            job_backend=args.job_backend,
             int8_activations=args.int8_activations)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

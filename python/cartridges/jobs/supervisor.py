@@ -1,5 +1,6 @@
-"""The supervisor: runs in the server, starts one worker process per job (`max_jobs` at a
-time, oldest first), and keeps every datablock moving to an end.
+"""The supervisor: runs in the server, starts one worker per job (`max_jobs` at a time,
+oldest first), and keeps every datablock moving to an end. A worker is a process of this
+server (the `local` backend) or a task on a Ray cluster (`ray`: ray_backend.py).
 
 - A job left `running` by a server that died is started again and resumes from its
   checkpoints; after MAX_ATTEMPTS starts it ends `failed` with `interrupted` instead, so that
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 from ..cores import cpu_cores
 
@@ -39,9 +40,19 @@ POLL_S = 0.5
 NEXT_JOB_WINDOW = 16
 
 
+class WorkerHandle(Protocol):
+    """A running worker as the supervisor sees it: a subprocess.Popen, or a ray_backend.RayTask."""
+
+    pid: int | None
+
+    def poll(self) -> int | None: ...
+    def kill(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> int | None: ...
+
+
 @dataclass
 class _Worker:
-    proc: subprocess.Popen[bytes]
+    proc: WorkerHandle
     log_path: Path
     stop_seen_at: float | None = None  # when the job was found deleted or ended
     started_at: float = field(default_factory=time.monotonic)
@@ -55,9 +66,11 @@ def default_worker_threads() -> int:
 class Supervisor:
     def __init__(self, store: Any, data_dir: str | os.PathLike[str], *, max_jobs: int = 1,
                  worker_threads: int = 0, int8_activations: bool = True, poll_s: float = POLL_S,
-                 store_env: Mapping[str, str] | None = None,
+                 store_env: Mapping[str, str] | None = None, backend: Literal["local", "ray"] = "local",
                  on_workers_changed: Callable[[int], None] | None = None) -> None:
         """`store_env`: the environment that makes a worker open the same store (store.store_env).
+        `backend`: "local" runs each job in a worker process of this server, "ray" as a task on
+        the Ray cluster of RAY_ADDRESS (ray_backend.py).
         `on_workers_changed(n)` is called from the supervisor thread whenever the number of
         running workers changes (the server gives the engine's cores back and forth with it)."""
         from ..store import core
@@ -67,6 +80,7 @@ class Supervisor:
         self._store = store
         self._data_dir = str(data_dir)
         self._store_env = dict(store_env or {})
+        self.backend = backend
         self._claimant = claimant_id(self._data_dir)
         self.max_jobs = max(1, max_jobs)
         self.worker_threads = worker_threads or default_worker_threads()
@@ -79,6 +93,10 @@ class Supervisor:
         self._thread = threading.Thread(target=self._loop, name="job-supervisor", daemon=True)
 
     def start(self) -> None:
+        if self.backend == "ray":
+            from .ray_backend import connect
+
+            connect()
         self._thread.start()
 
     def wake(self) -> None:
@@ -98,7 +116,8 @@ class Supervisor:
         self._workers.clear()
 
     def worker_pids(self) -> dict[str, int]:
-        return {run_id: w.proc.pid for run_id, w in list(self._workers.items())}
+        """The local worker processes by job (a Ray task has none in this server)."""
+        return {run_id: w.proc.pid for run_id, w in list(self._workers.items()) if w.proc.pid is not None}
 
     @property
     def running_jobs(self) -> int:
@@ -189,9 +208,16 @@ class Supervisor:
             log_path = Path(self._store.job_dir(self._admin, run_id)) / "worker.log"
         except (self._core.NotFoundError, self._core.ConflictError):
             return  # deleted or ended meanwhile
-        env = dict(os.environ, CARTRIDGES_WORKER_THREADS=str(self.worker_threads),
-                   CARTRIDGES_INT8_ACTIVATIONS="1" if self.int8_activations else "0",
-                   **self._store_env)
+        settings = {"CARTRIDGES_WORKER_THREADS": str(self.worker_threads),
+                    "CARTRIDGES_INT8_ACTIVATIONS": "1" if self.int8_activations else "0", **self._store_env}
+        if self.backend == "ray":
+            from .ray_backend import RayTask
+
+            self._workers[run_id] = _Worker(
+                RayTask(run_id, self._data_dir, settings, self.worker_threads, MAX_ATTEMPTS), log_path)
+            log.info("job %s: submitted to the Ray cluster", run_id)
+            return
+        env = dict(os.environ, **settings)
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "cartridges.jobs.worker", run_id, self._data_dir],

@@ -27,6 +27,7 @@ ENV_VARS = {
     "api_key": "CARTRIDGES_API_KEY",
     "admin_key": "CARTRIDGES_ADMIN_KEY",
     "max_jobs": "CARTRIDGES_MAX_JOBS",
+    "job_backend": "CARTRIDGES_JOB_BACKEND",
     "worker_threads": "CARTRIDGES_WORKER_THREADS",
     "device": "CARTRIDGES_DEVICE",
     "kv_tokens": "CARTRIDGES_KV_TOKENS",
@@ -69,6 +70,9 @@ class Settings(BaseModel):
     """fsync blobs and directories (off only for throwaway stores in benchmarks)."""
     max_jobs: int = Field(1, ge=1)
     """Training jobs run at once, each in its own worker process."""
+    job_backend: Literal["local", "ray"] = "local"
+    """Where training jobs run: local worker processes of this server, or tasks on the Ray
+    cluster of RAY_ADDRESS (a local cluster started in the server when it is unset)."""
     worker_threads: int = Field(0, ge=0)
     """Intra-op threads of each training worker; 0: half the cores, the rest left to serving."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -1,0 +1,128 @@
+"""Training jobs on a Ray cluster (CARTRIDGES_JOB_BACKEND=ray): a local cluster started here
+with `ray start --head`, a live server that submits its jobs there. A job runs as a Ray task
+(no worker process in the server), reports progress, is cancelled, and survives the kill of
+its Ray worker by resuming from its checkpoints.
+
+The cluster's workers load tests/server/slow_jobs (see test_datablocks_jobs.py) so that a job's
+stages last long enough to act on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from cartridges import Client
+
+from .conftest import API_KEY, LiveServer, free_port, upload_text
+from .test_datablocks_jobs import SLOW_CONFIG, SLOW_JOBS, STEP_DELAY_S, at_stage, wait_until
+from .tiny_hf_model import DOCUMENT
+
+pytestmark = pytest.mark.slow
+
+ray = pytest.importorskip("ray")
+
+TASK_TITLE = "ray::run_training_job"
+# A throwaway cluster on this machine: no token between the server and the cluster.
+NO_AUTH = {"RAY_AUTH_MODE": "disabled"}
+
+
+def _ray(log: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    """The `ray` CLI, its output to a file: the daemons it starts keep any pipe open."""
+    cli = str(Path(sys.executable).with_name("ray"))
+    with open(log, "ab") as out:
+        done = subprocess.run([cli, *args], stdout=out, stderr=subprocess.STDOUT, timeout=120, env=env)
+    assert done.returncode == 0, log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("ray") / "ray.log"
+    env = dict(os.environ, SLOW_JOB_STEP_S=str(STEP_DELAY_S), RAY_USAGE_STATS_ENABLED="0", **NO_AUTH,
+               PYTHONPATH=os.pathsep.join(filter(None, [str(SLOW_JOBS), os.environ.get("PYTHONPATH")])))
+    _ray(log, "start", "--head", "--port", str(port), "--num-cpus", "2", "--include-dashboard=false",
+         "--disable-usage-stats", env=env)
+    try:
+        # The head listens on the address Ray takes for this node, not on loopback.
+        yield f"{ray.util.get_node_ip_address()}:{port}"
+    finally:
+        _ray(log, "stop", "--force")
+
+
+@pytest.fixture
+def ray_server(tmp_path: Path, tiny_model_dir: Path, ray_address: str) -> Iterator[LiveServer]:
+    live = LiveServer(tmp_path / "data", model=tiny_model_dir,
+                      env={"CARTRIDGES_JOB_BACKEND": "ray", "RAY_ADDRESS": ray_address, **NO_AUTH,
+                           "CARTRIDGES_WORKER_THREADS": "1"})
+    live.start()
+    try:
+        yield live
+    finally:
+        live.stop()
+
+
+def _task_processes() -> list[psutil.Process]:
+    """Ray workers running a training job now (their process title names the task)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if cmdline and cmdline[0].startswith(TASK_TITLE):
+            found.append(proc)
+    return found
+
+
+def _local_workers(server: LiveServer) -> list[psutil.Process]:
+    assert server.proc is not None
+    return [c for c in psutil.Process(server.proc.pid).children(recursive=True)
+            if "cartridges.jobs.worker" in " ".join(c.cmdline())]
+
+
+def _attempts(server: LiveServer, datablock_id: str) -> int:
+    from cartridges.store import core, open_store
+
+    store = open_store(server.data_dir)
+    try:
+        return store.get_datablock(core().Owner(0, True), datablock_id).attempts
+    finally:
+        store.close()
+
+
+def test_a_job_runs_on_the_cluster_reports_progress_and_is_cancelled(ray_server: LiveServer) -> None:
+    with Client(ray_server.url, API_KEY) as client:
+        file_id = upload_text(ray_server.openai(), DOCUMENT)
+        block = client.datablocks.train(file_id, config=SLOW_CONFIG)
+        wait_until(at_stage(client, block["id"], "synthesizing", 2), what="progress from the cluster")
+        assert _task_processes(), "no Ray worker runs the job"
+        assert _local_workers(ray_server) == []
+        done = client.datablocks.wait(block["id"], timeout=180, poll_interval=0.2, progress=False)
+        assert done["status"] == "succeeded", done
+        assert _attempts(ray_server, block["id"]) == 1 and done["metrics"]["train_tokens"] > 0
+
+        # Cancelled (deleted) while it runs: the task stops within seconds, nothing is kept.
+        blobs = ray_server.blob_names()
+        cancelled = client.datablocks.train(file_id, config=SLOW_CONFIG)
+        wait_until(at_stage(client, cancelled["id"], "synthesizing", 2), what="the second job")
+        client.datablocks.delete(cancelled["id"])
+        wait_until(lambda: not _task_processes(), timeout=30, what="the task to stop")
+        assert ray_server.blob_names() == blobs
+
+
+def test_a_job_survives_the_kill_of_its_ray_worker(ray_server: LiveServer) -> None:
+    with Client(ray_server.url, API_KEY) as client:
+        file_id = upload_text(ray_server.openai(), DOCUMENT)
+        block = client.datablocks.train(file_id, config=SLOW_CONFIG)
+        wait_until(at_stage(client, block["id"], "training", 4), timeout=120, what="training past a checkpoint")
+        tasks = _task_processes()
+        assert len(tasks) == 1
+        os.kill(tasks[0].pid, signal.SIGKILL)
+        done = client.datablocks.wait(block["id"], timeout=180, poll_interval=0.2, progress=False)
+        assert done["status"] == "succeeded", done
+        assert _attempts(ray_server, block["id"]) == 2  # Ray ran the task again; it resumed
+        assert ray_server.alive()
