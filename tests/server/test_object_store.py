@@ -113,3 +113,12 @@ def test_a_datablock_trained_through_one_replica_is_served_by_another(
     assert len(second.blob_names()) >= 2
     loaded = first.http(key).post("/preload", json=[block["id"]])
     assert loaded.status_code == 200, loaded.text
+
+    # Killing a replica loses nothing: the other serves every record and blob.
+    late = upload_text(first.openai(key), "written just before the crash", name="late.txt")
+    first.stop(kill=True)
+    survivor = second.openai(key)
+    assert {f.id for f in survivor.files.list()} == {file_id, late}
+    assert survivor.files.content(late).read() == b"written just before the crash"
+    with Client(second.url, key) as client:
+        assert [b["id"] for b in client.datablocks.list()] == [block["id"]]
