@@ -122,3 +122,38 @@ def test_a_datablock_trained_through_one_replica_is_served_by_another(
     assert survivor.files.content(late).read() == b"written just before the crash"
     with Client(second.url, key) as client:
         assert [b["id"] for b in client.datablocks.list()] == [block["id"]]
+
+
+@pytest.mark.slow
+def test_an_object_store_outage_is_a_503_and_unhealthy_until_it_is_back(tmp_path: Path, tiny_model_dir: Path) -> None:
+    s3 = S3Server().start()  # its own endpoint: this test stops it
+    try:
+        bucket = s3.fresh_bucket()
+        replica = LiveServer(tmp_path / "data", model=tiny_model_dir,
+                             env={BLOB_URL_ENV: f"s3://{bucket}/blobs", **s3.env}).start()
+        try:
+            key = replica.add_user("alice")
+            files = replica.openai(key).files
+            kept = files.create(file=("kept.txt", b"kept"), purpose="assistants")
+
+            s3.stop()
+            refused = replica.http(key).post("/v1/files", files={"file": ("new.txt", b"new")},
+                                             data={"purpose": "assistants"})
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "unavailable"
+            health = replica.http(None).get("/health")
+            assert health.status_code == 503 and "object store" in health.json()["reason"]
+            # Nothing half-made: the refused upload left no record and no local file.
+            assert [f.id for f in files.list()] == [kept.id]
+            assert replica.tmp_names() == []
+            assert files.content(kept.id).read() == b"kept"  # in this replica's cache
+            assert replica.alive()
+
+            s3.start()  # back (moto starts empty: the bucket is made again)
+            s3.client().create_bucket(Bucket=bucket)
+            assert replica.http(None).get("/health").status_code == 200
+            assert files.create(file=("new.txt", b"new"), purpose="assistants").filename == "new.txt"
+        finally:
+            replica.stop()
+    finally:
+        s3.stop()

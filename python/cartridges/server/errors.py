@@ -172,9 +172,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(409, str(exc))
 
     async def on_unavailable(request: Request, exc: Exception) -> JSONResponse:
-        log.error("database unavailable on %s %s: %s", request.method, request.url.path, exc)
-        return error_response(503, "The server cannot reach its database right now; retry in a few seconds.",
-                              headers={"Retry-After": "5"})
+        log.error("store unavailable on %s %s: %s", request.method, request.url.path, exc)
+        return error_response(503, "The server cannot reach its database or object store right now; retry in a "
+                              "few seconds.", headers={"Retry-After": "5"})
 
     async def on_store_error(request: Request, exc: Exception) -> JSONResponse:
         log.error("store error on %s %s: %s", request.method, request.url.path, exc)

@@ -85,8 +85,8 @@ def health(request: Request, serving: ServingDep, store: StoreDep) -> JSONRespon
     try:
         store.ping()
         principal = _optional_principal(request, store)
-    except core().UnavailableError as error:
-        reason = f"the database is unreachable: {error}"
+    except core().UnavailableError as error:  # the database or the object store
+        reason = str(error)
     body = Health(status="unhealthy" if reason else "healthy", device=serving.device,
                   loaded_cartridges=[c.id for c in serving.loaded(principal)], reason=reason)
     return JSONResponse(body.model_dump(), status_code=503 if reason else 200)
