@@ -1,7 +1,8 @@
 """Training jobs on a Ray cluster (CARTRIDGES_JOB_BACKEND=ray): a local cluster started here
 with `ray start --head`, a live server that submits its jobs there. A job runs as a Ray task
 (no worker process in the server), reports progress, is cancelled, and survives the kill of
-its Ray worker by resuming from its checkpoints.
+its Ray worker by resuming from its checkpoints. Last, the whole topology: two replicas with
+PostgreSQL, S3 and the cluster.
 
 The cluster's workers load tests/server/slow_jobs (see test_datablocks_jobs.py) so that a job's
 stages last long enough to act on."""
@@ -20,7 +21,7 @@ import pytest
 
 from cartridges import Client
 
-from .conftest import API_KEY, LiveServer, free_port, upload_text
+from .conftest import API_KEY, LiveServer, free_port, running_replicas, upload_text
 from .test_datablocks_jobs import SLOW_CONFIG, SLOW_JOBS, STEP_DELAY_S, at_stage, wait_until
 from .tiny_hf_model import DOCUMENT
 
@@ -42,10 +43,12 @@ def _ray(log: Path, *args: str, env: dict[str, str] | None = None) -> None:
 
 
 @pytest.fixture(scope="module")
-def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def ray_address(tmp_path_factory: pytest.TempPathFactory, s3_server) -> Iterator[str]:
+    """The cluster's address. Its nodes are configured for the test's S3 endpoint (AWS_*), as a
+    deployment's nodes would be for its object store."""
     port = free_port()
     log = tmp_path_factory.mktemp("ray") / "ray.log"
-    env = dict(os.environ, SLOW_JOB_STEP_S=str(STEP_DELAY_S), RAY_USAGE_STATS_ENABLED="0", **NO_AUTH,
+    env = dict(os.environ, SLOW_JOB_STEP_S=str(STEP_DELAY_S), RAY_USAGE_STATS_ENABLED="0", **NO_AUTH, **s3_server.env,
                PYTHONPATH=os.pathsep.join(filter(None, [str(SLOW_JOBS), os.environ.get("PYTHONPATH")])))
     _ray(log, "start", "--head", "--port", str(port), "--num-cpus", "2", "--include-dashboard=false",
          "--disable-usage-stats", env=env)
@@ -126,3 +129,33 @@ def test_a_job_survives_the_kill_of_its_ray_worker(ray_server: LiveServer) -> No
         assert done["status"] == "succeeded", done
         assert _attempts(ray_server, block["id"]) == 2  # Ray ran the task again; it resumed
         assert ray_server.alive()
+
+
+def test_the_whole_topology_postgresql_s3_and_ray(tmp_path: Path, tiny_model_dir: Path, ray_address: str,
+                                                   postgres_url: str, s3_server, s3_blob_url: str) -> None:
+    """Two replicas as on two machines (their own data directories), one PostgreSQL database,
+    one bucket, one Ray cluster: a datablock trained through one runs on the cluster, in
+    neither replica, and the other serves its cartridge."""
+    from cartridges.store import BLOB_URL_ENV, DATABASE_URL_ENV
+
+    env = {DATABASE_URL_ENV: postgres_url, BLOB_URL_ENV: s3_blob_url, "CARTRIDGES_JOB_BACKEND": "ray",
+           "RAY_ADDRESS": ray_address, "CARTRIDGES_WORKER_THREADS": "1", **NO_AUTH, **s3_server.env}
+    replicas = running_replicas(LiveServer(tmp_path / "first", model=tiny_model_dir, env=env),
+                                LiveServer(tmp_path / "second", model=tiny_model_dir, env=env))
+    first, second = next(replicas)
+    try:
+        key = first.add_user("alice")
+        file_id = upload_text(first.openai(key), DOCUMENT)
+        with Client(first.url, key) as client:
+            block = client.datablocks.train(file_id, config=SLOW_CONFIG)
+            wait_until(at_stage(client, block["id"], "synthesizing", 2), what="progress from the cluster")
+        assert _task_processes() and _local_workers(first) == [] and _local_workers(second) == []
+        with Client(second.url, key) as client:
+            done = client.datablocks.wait(block["id"], timeout=180, poll_interval=0.2, progress=False)
+        assert done["status"] == "succeeded", done
+        reply = second.openai(key).chat.completions.create(
+            model=block["id"], messages=[{"role": "user", "content": "What is in the handbook?"}],
+            temperature=0, max_tokens=6)
+        assert reply.choices[0].message.content is not None
+    finally:
+        replicas.close()
