@@ -142,6 +142,19 @@ def running_replicas(*replicas: LiveServer) -> Iterator[tuple[LiveServer, ...]]:
             replica.stop()
 
 
+def served_by(replica: LiveServer, key: str, datablock_id: str) -> None:
+    """Waits for a datablock's job through `replica` and checks that it answers a chat with it."""
+    from cartridges import Client
+
+    with Client(replica.url, key) as client:
+        done = client.datablocks.wait(datablock_id, timeout=180, poll_interval=0.2, progress=False)
+    assert done["status"] == "succeeded", done
+    reply = replica.openai(key).chat.completions.create(
+        model=datablock_id, messages=[{"role": "user", "content": "What is in the handbook?"}],
+        temperature=0, max_tokens=6)
+    assert reply.choices[0].message.content is not None
+
+
 def start_server(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs: int) -> LiveServer:
     return LiveServer(tmp_path_factory.mktemp(name) / "data", **kwargs).start()
 

@@ -15,7 +15,7 @@ from cartridges import Client
 from cartridges.store import BLOB_URL_ENV, DATABASE_URL_ENV, core, open_store
 from s3_server import S3Server
 
-from .conftest import LiveServer, running_replicas, upload_text
+from .conftest import LiveServer, running_replicas, served_by, upload_text
 from .tiny_hf_model import DOCUMENT, TINY_TRAIN_CONFIG
 
 
@@ -100,14 +100,7 @@ def test_a_datablock_trained_through_one_replica_is_served_by_another(
 
     with Client(first.url, key) as client:
         block = client.datablocks.train([file_id], name="handbook", config=TINY_TRAIN_CONFIG)
-    with Client(second.url, key) as client:
-        done = client.datablocks.wait(block["id"], timeout=180, poll_interval=0.2, progress=False)
-    assert done["status"] == "succeeded", done
-
-    reply = second.openai(key).chat.completions.create(
-        model=block["id"], messages=[{"role": "user", "content": "What is in the handbook?"}],
-        temperature=0, max_tokens=6)
-    assert reply.choices[0].message.content is not None
+    served_by(second, key, block["id"])
     # The cartridge came from the object store into the second machine's cache; the first
     # replica never loaded it, yet serves it too.
     assert len(second.blob_names()) >= 2

@@ -21,7 +21,7 @@ import pytest
 
 from cartridges import Client
 
-from .conftest import API_KEY, LiveServer, free_port, running_replicas, upload_text
+from .conftest import API_KEY, LiveServer, free_port, running_replicas, served_by, upload_text
 from .test_datablocks_jobs import SLOW_CONFIG, SLOW_JOBS, STEP_DELAY_S, at_stage, wait_until
 from .tiny_hf_model import DOCUMENT
 
@@ -150,12 +150,6 @@ def test_the_whole_topology_postgresql_s3_and_ray(tmp_path: Path, tiny_model_dir
             block = client.datablocks.train(file_id, config=SLOW_CONFIG)
             wait_until(at_stage(client, block["id"], "synthesizing", 2), what="progress from the cluster")
         assert _task_processes() and _local_workers(first) == [] and _local_workers(second) == []
-        with Client(second.url, key) as client:
-            done = client.datablocks.wait(block["id"], timeout=180, poll_interval=0.2, progress=False)
-        assert done["status"] == "succeeded", done
-        reply = second.openai(key).chat.completions.create(
-            model=block["id"], messages=[{"role": "user", "content": "What is in the handbook?"}],
-            temperature=0, max_tokens=6)
-        assert reply.choices[0].message.content is not None
+        served_by(second, key, block["id"])
     finally:
         replicas.close()

@@ -120,7 +120,7 @@ class PgCursor final : public Cursor {
 
 class PgConnection final : public Connection {
  public:
-  PgConnection(const std::string& url, const StoreOptions& options) : url_(url) {
+  PgConnection(const std::string& url, const StoreOptions& options) {
     describe_ = "PostgreSQL";
     char* error = nullptr;
     if (PQconninfoOption* info = PQconninfoParse(url.c_str(), &error)) {
@@ -261,7 +261,6 @@ class PgConnection final : public Connection {
     return s;
   }
 
-  std::string url_;
   std::string describe_;
   PGconn* conn_ = nullptr;
   int busy_timeout_ms_ = 5000;
