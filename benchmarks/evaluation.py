@@ -29,11 +29,12 @@ import torch
 
 import cartridges
 import cartridges_core
-from cartridges.cartridge import Cartridge
+from cartridges.cartridge import Cartridge, native_model
 from cartridges.models.tokenizer import common_prefix_len
 from cartridges.selfstudy import Corpus, TrainConfig
 from cartridges.selfstudy.config import describe, field_aliases
 from cartridges.selfstudy.prompts import SYSTEM_PROMPT
+from cartridges.training import resolved_training_dtype
 
 # TrainConfig fields that change training but not synthesis.
 TRAINING_ONLY_FIELDS = {"learning_rate", "anchor", "epochs", "batch_size", "grad_accum", "cosine", "warmup", "layer_scaled_lr",
@@ -307,9 +308,13 @@ def cartridge_key(model, text: str, config: TrainConfig) -> str:
 
 
 def for_text(model, text: str, config: TrainConfig) -> TrainConfig:
-    """`config` with what it leaves to the document (cartridge length, conversations) decided as
-    training decides it, so that the baselines and the caches see the same sizes."""
-    return config.for_corpus(len(Corpus.from_texts(model.tokenizer, [text])))
+    """`config` with what it leaves to the document (cartridge length, conversations, epochs,
+    the dtype trained in) decided as training decides it, so that the baselines and the caches
+    see the same run: a config that decides to one trained before reuses its cartridge."""
+    config = config.for_corpus(len(Corpus.from_texts(model.tokenizer, [text])))
+    if config.objective == "compact":
+        return config
+    return config.replace(training_dtype=resolved_training_dtype(native_model(model), config.training_dtype))
 
 
 def get_cartridge(model, name: str, text: str, config: TrainConfig, directory: Path) -> tuple[Cartridge, dict]:

@@ -187,9 +187,32 @@ def _load_datasets(path: Path) -> Datasets:
                     parts.tolist() if parts is not None else None)
 
 
+def multiplies_bfloat16_natively(device: str) -> bool:
+    """Whether `device` has bfloat16 matrix instructions: a CPU with AVX-512 BF16 or AMX (read
+    from Linux's /proc/cpuinfo; False where it cannot be read), a CUDA GPU from compute
+    capability 8.0."""
+    if device.startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.get_device_capability(torch.device(device))[0] >= 8
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolved_training_dtype(native: cartridges_core.LlamaModel, training_dtype: str) -> str:
+    """`TrainConfig.training_dtype` with "auto" decided for `native`: "bfloat16" for a float32
+    model on a device that multiplies bfloat16 natively, "model" otherwise."""
+    if training_dtype != "auto":
+        return training_dtype
+    return "bfloat16" if native.dtype == "float32" and multiplies_bfloat16_natively(native.device) else "model"
+
+
 def training_twin(native: cartridges_core.LlamaModel, training_dtype: str) -> cartridges_core.LlamaModel:
     """The model the training passes run on: `native` itself ("model", or its own dtype), or its
-    twin with the weights in `training_dtype`."""
+    twin with the weights in `training_dtype` ("auto" decided by `resolved_training_dtype`)."""
+    training_dtype = resolved_training_dtype(native, training_dtype)
     if training_dtype in ("model", native.dtype):
         return native
     return native.with_dtype(training_dtype)
@@ -296,9 +319,11 @@ def train(
         corpus = texts
     else:
         corpus = Corpus.from_texts(model.tokenizer, [texts] if isinstance(texts, str) else texts)
-    config = config.for_corpus(len(corpus))  # the cartridge records the number of conversations made
+    # The cartridge records what was decided: the number of conversations made, the dtype trained in.
+    config = config.for_corpus(len(corpus))
     if config.objective == "compact":
         return _compacted(model, corpus, config)
+    config = config.replace(training_dtype=resolved_training_dtype(native, config.training_dtype))
     bar = _Bar(progress, on_progress)
     quality = None
     signal = parts = None  # unknown for data made elsewhere

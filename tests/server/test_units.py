@@ -113,7 +113,7 @@ def test_train_help_describes_every_config_field(capsys: pytest.CaptureFixture[s
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for name in TrainConfig.model_fields:
         assert "--" + name.replace("_", "-") in out
-    assert "--epochs EPOCHS Passes over the conversations. (default: 2)" in out
+    assert "--epochs N Passes over the conversations. (default: 2, or 1 for a corpus over 8192 tokens)" in out
     assert "--warmup WARMUP Share of the run's optimizer steps" in out
 
 

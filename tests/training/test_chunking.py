@@ -9,7 +9,7 @@ import pytest
 
 from cartridges.selfstudy import TrainConfig
 from cartridges.selfstudy.chunking import Span, even_spans, named_texts, part_of, part_view, partner_chunk, plan_views
-from cartridges.selfstudy.config import default_num_samples, default_num_tokens
+from cartridges.selfstudy.config import LONG_CORPUS_TOKENS, default_num_samples, default_num_tokens
 from cartridges.selfstudy.prompts import (CLOZE_TEMPLATES, RECALL_TEMPLATES, VERIFY, VERIFY_TEMPLATES, cloze_message,
                                          draw_seed_prompts, recall_message, verify_message)
 from cartridges.selfstudy.synthesize import loop_start
@@ -102,11 +102,22 @@ def test_default_number_of_conversations_scales_with_the_corpus():
         TrainConfig(num_samples=0)
 
 
+def test_a_corpus_beyond_the_context_gets_the_long_corpus_plan():
+    """Up to LONG_CORPUS_TOKENS: two epochs, no yes/no conversations; beyond: one epoch and a
+    quarter of the written conversations yes/no. What a config gives is kept."""
+    short, long = TrainConfig().for_corpus(LONG_CORPUS_TOKENS), TrainConfig().for_corpus(LONG_CORPUS_TOKENS + 1)
+    assert (short.epochs, short.verify_fraction) == (2, 0.0)
+    assert (long.epochs, long.verify_fraction) == (1, 0.25)
+    assert long.for_corpus(LONG_CORPUS_TOKENS + 1) is long  # decided once
+    given = TrainConfig(epochs=3, verify_fraction=0.0).for_corpus(50_000)
+    assert (given.epochs, given.verify_fraction) == (3, 0.0)
+
+
 def test_default_cartridge_length_is_an_eighth_of_the_corpus():
     assert default_num_tokens(2_500) == 304  # 8.2x less KV than the document in context
     assert default_num_tokens(100) == 64  # a paragraph still gets a usable cartridge...
     assert TrainConfig().for_corpus(40).num_tokens == 40  # ...never longer than itself
-    assert default_num_tokens(100_000) == 2_048  # bounded
+    assert default_num_tokens(8_192) == default_num_tokens(100_000) == 1_024  # bounded
     for n in range(512, 16_384, 37):  # at least 8x less KV wherever the bounds leave room
         assert n / default_num_tokens(n) >= 8 and default_num_tokens(n) % 16 == 0
     sizes = [default_num_tokens(n) for n in range(0, 40_000, 997)]

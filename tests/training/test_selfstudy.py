@@ -4,6 +4,7 @@ training data layout, train() determinism and progress."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 import cartridges_core
 from cartridges.selfstudy import Conversation, Corpus, Synthesizer, TrainConfig, synthesize, training_data
 from cartridges.selfstudy.synthesize import signal_by_part
-from cartridges.training import train
+from cartridges.training import multiplies_bfloat16_natively, resolved_training_dtype, train
 
 from .tiny import tiny_model
 
@@ -129,10 +130,24 @@ def test_train_is_deterministic_and_reports_progress(model):
     assert seen[-1][1:3] == (6, 6) and seen[-1][3] == pytest.approx(first.stats["losses"][-1])
 
 
+def test_auto_training_dtype_is_bfloat16_where_the_cpu_multiplies_it_natively(model):
+    """training_dtype="auto" (the default) trains a float32 model in bfloat16 on a CPU with
+    AVX-512 BF16 or AMX, in its own dtype elsewhere; the cartridge records the one used."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    native_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
+    assert multiplies_bfloat16_natively("cpu") == native_bf16
+    assert TrainConfig().training_dtype == "auto"
+    assert resolved_training_dtype(model.native, "auto") == ("bfloat16" if native_bf16 else "model")
+    assert resolved_training_dtype(model.native.with_dtype("bfloat16"), "auto") == "model"
+    assert resolved_training_dtype(model.native, "float32") == "float32"  # a choice is kept
+    cart = train(model, [TEXT], small_config(quality_samples=0, epochs=1), progress=False)
+    assert cart.config["training_dtype"] == resolved_training_dtype(model.native, "auto")
+
+
 def test_training_in_bfloat16_runs_on_a_twin_and_keeps_the_cartridge_float32(model):
     """training_dtype="bfloat16" trains on a bfloat16 twin of the model's weights: the same
     losses to bfloat16's precision, a float32 cartridge, and the model itself untouched."""
-    config = small_config(quality_samples=0)
+    config = small_config(quality_samples=0, training_dtype="float32")
     f32 = train(model, [TEXT], config, progress=False)
     bf16 = train(model, [TEXT], config.replace(training_dtype="bfloat16"), progress=False, data=f32.stats["data"])
     assert model.native.dtype == "float32" and bf16.config["training_dtype"] == "bfloat16"

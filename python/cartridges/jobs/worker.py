@@ -93,7 +93,8 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> N
 
     from ..selfstudy import Corpus
     from ..selfstudy.config import TrainConfig
-    from ..training import TrainingCancelled, train
+    from ..cartridge import native_model
+    from ..training import TrainingCancelled, resolved_training_dtype, train
 
     run_id = record.run_id
     config = TrainConfig.from_dict(json.loads(record.config))
@@ -107,6 +108,7 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> N
     # the number of conversations) is decided once, here, and the datablock shows it from now on.
     corpus = Corpus.from_texts(model.tokenizer, texts)
     config = config.for_corpus(len(corpus))
+    config = config.replace(training_dtype=resolved_training_dtype(native_model(model), config.training_dtype))
     from ..store import core
     from .progress import LEASE_S
 

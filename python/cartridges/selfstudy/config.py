@@ -15,7 +15,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 Init = Literal["corpus", "spread", "compact", "text"]
 Objective = Literal["distill", "next_token", "compact"]
 LossWeighting = Literal["step", "token", "row"]
-TrainingDtype = Literal["model", "float32", "bfloat16"]
+TrainingDtype = Literal["auto", "model", "float32", "bfloat16"]
 INITS: tuple[str, ...] = Init.__args__
 OBJECTIVES: tuple[str, ...] = Objective.__args__
 LOSS_WEIGHTINGS: tuple[str, ...] = LossWeighting.__args__
@@ -25,11 +25,19 @@ CORE_TRAINING_FIELDS = ("learning_rate", "anchor", "epochs", "batch_size", "grad
                         "layer_scaled_lr", "channel_scaled_lr", "loss_weighting", "seed")
 
 
+LONG_CORPUS_TOKENS = 8192
+"""A corpus longer than this (the default model's context) is trained with the long-corpus plan:
+one epoch instead of two, and a quarter of the written conversations yes/no ones
+(`default_epochs`, `default_verify_fraction`; docs/experiments.md, "Which plan should a corpus
+beyond the context get by default?")."""
+
 # What a field left None gets, in words (the CLI's help and the docs say it).
 DECIDED_FROM_CORPUS = {
-    "num_tokens": "an eighth of the corpus, in multiples of 16, at least 64 and at most 2048",
+    "num_tokens": "an eighth of the corpus, in multiples of 16, at least 64 and at most 1024",
     "num_samples": "one per 10 corpus tokens, in batches of 16, at least 128 and at most 8192",
     "quality_samples": "max(8, num_samples / 16), at most 32; 0: no report",
+    "epochs": f"2, or 1 for a corpus over {LONG_CORPUS_TOKENS} tokens",
+    "verify_fraction": f"0, or 0.25 for a corpus over {LONG_CORPUS_TOKENS} tokens",
 }
 
 
@@ -47,9 +55,21 @@ def default_num_samples(corpus_tokens: int) -> int:
 
 def default_num_tokens(corpus_tokens: int) -> int:
     """Cartridge length when the config leaves it open: an eighth of the corpus, rounded down
-    to a multiple of 16, at least 64 and at most 2048 (a 2,500-token document gets 304, 8.2x
-    less KV than itself in context; a 100,000-token corpus 2048)."""
-    return min(2048, max(64, corpus_tokens // 8 // 16 * 16))
+    to a multiple of 16, at least 64 and at most 1024 (a 2,500-token document gets 304, 8.2x
+    less KV than itself in context; an 8,192-token one and anything longer 1024)."""
+    return min(1024, max(64, corpus_tokens // 8 // 16 * 16))
+
+
+def default_epochs(corpus_tokens: int) -> int:
+    """Passes over the conversations when the config leaves it open: 2, or 1 beyond
+    LONG_CORPUS_TOKENS."""
+    return 2 if corpus_tokens <= LONG_CORPUS_TOKENS else 1
+
+
+def default_verify_fraction(corpus_tokens: int) -> float:
+    """Share of yes/no ("verify") written conversations when the config leaves it open: 0, or
+    0.25 beyond LONG_CORPUS_TOKENS."""
+    return 0.0 if corpus_tokens <= LONG_CORPUS_TOKENS else 0.25
 
 
 class TrainConfig(BaseModel):
@@ -63,11 +83,13 @@ class TrainConfig(BaseModel):
     # The cartridge
     num_tokens: int | None = Field(None, ge=1)
     """KV tokens of the cartridge (its memory is num_tokens x layers x 2 x kv_heads x head_dim).
-    None (the default): an eighth of the corpus, in multiples of 16, at least 64 and at most 2048
+    None (the default): an eighth of the corpus, in multiples of 16, at least 64 and at most 1024
     (`default_num_tokens`), which still keeps the KV over 8x smaller than the document in
     context and trained better cartridges than a fixed 256 tokens on every run screened
     (docs/experiments.md, "Do row weighting or a larger cartridge raise the recovered fraction
-    over seeds?")."""
+    over seeds?"). On a corpus beyond the context, 1024 tokens with one epoch scored as 2048 with
+    two at half the training time (docs/experiments.md, "Which plan should a corpus beyond the
+    context get by default?")."""
     num_frozen: int = Field(1, ge=0)
     """Leading tokens never trained (the attention sink). The default freezes only that first
     token: keeping more of the initialization unchanged (a quarter of the cartridge) lowered
@@ -121,12 +143,16 @@ class TrainConfig(BaseModel):
     default 135M model their conversations did not help and cost time; larger models, which
     write and answer better, may gain from some, e.g. 0.4 (docs/experiments.md, "Which
     changes to synthesis make self-study carry the document's facts?")."""
-    verify_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    verify_fraction: float | None = Field(None, ge=0.0, le=1.0)
     """Share of the written conversations that are "verify": a sentence of the chunk as a
     statement, true or (at even odds) with one number or name swapped for another of the
     chunk's, and "Answer yes or no."; the teacher scores "Yes" or "No" with the chunk in
     context. Recall and cloze answers teach the facts as text to go on with; these keep the
-    short answers users' yes/no questions want. 0 until measured."""
+    short answers users' yes/no questions want. None (the default): 0.25 for a corpus over
+    LONG_CORPUS_TOKENS tokens, where they turned the yes/no questions from a loss into a gain,
+    and 0 up to it, where they lowered the two short documents measured
+    (`default_verify_fraction`; docs/experiments.md, "Do yes/no conversations stop the cartridge
+    from losing yes/no questions?")."""
     joined_fraction: float = Field(0.0, ge=0.0, le=1.0)
     """Share of the conversations that join two parts of the corpus far apart (their centres
     at least a quarter of it apart, the chunks never overlapping): the message quotes the start of a sentence from each
@@ -162,10 +188,14 @@ class TrainConfig(BaseModel):
     default stays 2e-2 (docs/experiments.md, "Which learning rate, teacher window and
     initialization suit the tuning document?" and "Does giving each layer its own learning
     rate help?")."""
-    epochs: int = Field(2, ge=1)
-    """Passes over the conversations. The default, 2, gained over one on the tuning document and
-    on the held-out documents under the default seed, and fits in the 10 minutes a
-    2,500-token document gets (docs/experiments.md, "Does a second epoch help?")."""
+    epochs: int | None = Field(None, ge=1)
+    """Passes over the conversations. None (the default): 2, or 1 for a corpus over
+    LONG_CORPUS_TOKENS tokens (`default_epochs`). Two gained over one on the short tuning
+    document and on the held-out ones under the default seed, and fit in the 10 minutes a
+    2,500-token document gets (docs/experiments.md, "Does a second epoch help?"); beyond the
+    context one epoch of a 1024-token cartridge scored as two of a 2048-token one at half the
+    time (docs/experiments.md, "Which plan should a corpus beyond the context get by
+    default?")."""
     batch_size: int = Field(4, ge=1)
     """Conversations per forward/backward."""
     grad_accum: int = Field(1, ge=1)
@@ -210,13 +240,18 @@ class TrainConfig(BaseModel):
     (docs/experiments.md, "Where does the seed variance come from, and do token weighting,
     gradient accumulation, tail averaging or a soup remove it?" and "Do row weighting or a
     larger cartridge raise the recovered fraction over seeds?")."""
-    training_dtype: TrainingDtype = "model"
+    training_dtype: TrainingDtype = "auto"
     """The dtype of the forward and backward passes that train the cartridge: "model", the
-    model's own; "bfloat16" or "float32", a twin of the model with its weights in that dtype.
-    The cartridge's values and Adam's state stay float32 either way, and synthesis and the
-    quality report run on the model itself. On a CPU with AVX-512 BF16 a bfloat16 step takes
-    about 0.7x the float32 one (benchmarks/README.md, "Training step"); elsewhere bfloat16 can
-    be slower. "model" until the quality of cartridges trained in bfloat16 is measured."""
+    model's own; "bfloat16" or "float32", a twin of the model with its weights in that dtype;
+    "auto" (the default), "bfloat16" for a float32 model on a device that multiplies bfloat16
+    natively (a CPU with AVX-512 BF16 or AMX, a CUDA GPU from compute capability 8.0) and
+    "model" anywhere else (`cartridges.training.resolved_training_dtype`; the cartridge records
+    the one used). The cartridge's values and Adam's state stay float32 either way, and
+    synthesis and the quality report run on the model itself. On a CPU with AVX-512 BF16 a
+    bfloat16 step takes about 0.7x the float32 one (benchmarks/README.md, "Training step"), and
+    the cartridges it trained scored as the float32 ones on the documents measured
+    (docs/experiments.md, "Does training in bfloat16 keep a cartridge's quality?"); without
+    native support bfloat16 is slower."""
     companion_every: int = Field(3, ge=0)
     """Composition: every companion_every-th conversation is trained with a stand-in for another
     cartridge in front (the KV of unrelated text, as long as this cartridge), as it would be
@@ -261,10 +296,15 @@ class TrainConfig(BaseModel):
 
     def for_corpus(self, corpus_tokens: int) -> TrainConfig:
         """This config with what it leaves to the corpus decided for a corpus of `corpus_tokens`
-        tokens: num_tokens, and num_samples (and with it quality_samples). A cartridge
-        initialized from corpus tokens ("corpus", "spread") is never longer than the corpus.
-        A config decided for a corpus stays as it is when decided again for the same one."""
+        tokens: num_tokens, num_samples (and with it quality_samples), epochs and
+        verify_fraction. A cartridge initialized from corpus tokens ("corpus", "spread") is never
+        longer than the corpus. A config decided for a corpus stays as it is when decided again
+        for the same one."""
         decided: dict[str, Any] = {}
+        if self.epochs is None:
+            decided["epochs"] = default_epochs(corpus_tokens)
+        if self.verify_fraction is None:
+            decided["verify_fraction"] = default_verify_fraction(corpus_tokens)
         num_tokens = default_num_tokens(corpus_tokens) if self.num_tokens is None else self.num_tokens
         if self.init in INITS_FROM_CORPUS:
             num_tokens = min(num_tokens, max(corpus_tokens, self.num_frozen + 1))
