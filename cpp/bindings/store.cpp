@@ -97,6 +97,13 @@ void bind_store_records(py::module_& m) {
       .def_readonly("created_at", &ApiKeyInfo::created_at)
       .def_readonly("revoked_at", &ApiKeyInfo::revoked_at);
 
+  py::class_<BlobContent>(m, "BlobContent",
+                          "Where a stored blob's bytes are read from: local_path, or (empty) the blob mirror's "
+                          "object blob_id.")
+      .def_readonly("blob_id", &BlobContent::blob_id)
+      .def_readonly("bytes", &BlobContent::bytes)
+      .def_readonly("local_path", &BlobContent::local_path);
+
   py::class_<FileRecord>(m, "FileRecord")
       .def_readonly("id", &FileRecord::id)
       .def_readonly("owner_id", &FileRecord::owner_id)
@@ -223,6 +230,8 @@ void bind_store_files(StoreClass& store) {
            py::call_guard<py::gil_scoped_release>())
       .def("file_content_path", &Store::file_content_path, py::arg("owner"), py::arg("file_id"),
            py::call_guard<py::gil_scoped_release>())
+      .def("file_content", &Store::file_content, py::arg("owner"), py::arg("file_id"),
+           py::call_guard<py::gil_scoped_release>())
       .def("verify_file", &Store::verify_file, py::arg("owner"), py::arg("file_id"),
            py::call_guard<py::gil_scoped_release>())
       .def(
@@ -293,6 +302,8 @@ void bind_store_datablocks(StoreClass& store) {
       .def("job_dir", &Store::job_dir, py::arg("owner"), py::arg("datablock_id"),
            py::call_guard<py::gil_scoped_release>())
       .def("datablock_cartridge_path", &Store::datablock_cartridge_path, py::arg("owner"), py::arg("datablock_id"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("datablock_content", &Store::datablock_content, py::arg("owner"), py::arg("datablock_id"),
            py::call_guard<py::gil_scoped_release>())
       .def("verify_datablock", &Store::verify_datablock, py::arg("owner"), py::arg("datablock_id"),
            py::call_guard<py::gil_scoped_release>());

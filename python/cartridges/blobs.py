@@ -1,7 +1,9 @@
-"""Blobs in an S3-compatible object store (`CARTRIDGES_BLOB_URL=s3://bucket/prefix`), through
-boto3. The C++ store calls this mirror: every blob is uploaded before it is recorded, fetched
-into the data directory's blobs/ on first use, and removed after its record
-(`cartridges_core.BlobMirror`; docs/deployment.md).
+"""Blobs kept outside the data directory (`CARTRIDGES_BLOB_URL`): in an S3-compatible object
+store (`s3://bucket/prefix`, through boto3) or in a directory every replica mounts
+(`file:///path`, e.g. NFS). The C++ store calls this mirror: every blob is uploaded before it is
+recorded, fetched into the data directory's blobs/ on first use (training, chat), and removed
+after its record (`cartridges_core.BlobMirror`; docs/deployment.md). Downloads over HTTP stream
+out of the mirror (`read_range`) without landing on the serving machine's disk.
 
 boto3 reads the standard settings: AWS_ENDPOINT_URL (MinIO, moto, any S3-compatible server),
 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, profiles and instance roles.
@@ -11,13 +13,20 @@ through memory whole.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from .store import core
 
 # Parts of 16 MiB, four at a time: a 512 MiB upload is 32 parts.
 PART_BYTES = 16 << 20
+# What one read of a ranged download hands the HTTP response at a time.
+READ_CHUNK = 1 << 20
 
 
 def parse_blob_url(url: str) -> tuple[str, str]:
@@ -29,11 +38,26 @@ def parse_blob_url(url: str) -> tuple[str, str]:
     return parsed.netloc, prefix + "/" if prefix else ""
 
 
+def parse_directory_url(url: str) -> Path:
+    """The absolute directory of file:///path; ValueError for anything else (file://host/...)."""
+    parsed = urlparse(url)
+    if parsed.scheme != "file" or parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
+        raise ValueError(f"blob URL must look like file:///absolute/path, got {url!r}")
+    return Path(unquote(parsed.path))
+
+
 def open_blob_mirror(url: str | None) -> Any | None:
-    """The mirror for a blob URL; None (blobs on local disk only) when unset."""
+    """The mirror for a blob URL; None (blobs in the data directory only) when unset."""
     if not url:
         return None
+    if url.startswith("file:"):
+        return DirectoryBlobs(url)
     return S3Blobs(url)
+
+
+def unavailable(error: Exception) -> Exception:
+    """An error of the blob store as the store's UnavailableError (HTTP 503)."""
+    return core().UnavailableError(f"the object store failed: {error}")
 
 
 class S3Blobs(core().BlobMirror):  # type: ignore[misc]
@@ -75,3 +99,80 @@ class S3Blobs(core().BlobMirror):  # type: ignore[misc]
 
     def check(self) -> None:
         self._client.head_bucket(Bucket=self.bucket)
+
+    def read_range(self, blob_id: str, start: int, end: int) -> Iterator[bytes]:
+        """Bytes [start, end) of a blob, in chunks as they arrive. The request is made before the
+        first chunk is asked for, so that an unreachable store fails the call (UnavailableError)
+        rather than a response already under way."""
+        try:
+            body = self._client.get_object(Bucket=self.bucket, Key=self._key(blob_id),
+                                           Range=f"bytes={start}-{end - 1}")["Body"]
+        except Exception as error:
+            raise unavailable(error) from None
+        return _closing(body.iter_chunks(READ_CHUNK), body)
+
+
+class DirectoryBlobs(core().BlobMirror):  # type: ignore[misc]
+    """The store's blobs as files of one directory that every replica mounts (file:///path)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url = url
+        self.directory = parse_directory_url(url)
+        try:  # made when missing, as the data directory is; check() reports one that cannot be
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass
+
+    def upload(self, blob_id: str, local_path: str) -> None:
+        # Written under a temporary name, flushed and renamed: the directory never shows half a blob.
+        handle, tmp = tempfile.mkstemp(dir=self.directory, prefix=".upload-")
+        try:
+            with open(local_path, "rb") as source, os.fdopen(handle, "wb") as target:
+                shutil.copyfileobj(source, target, PART_BYTES)
+                target.flush()
+                os.fsync(target.fileno())
+            os.replace(tmp, self.directory / blob_id)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def download(self, blob_id: str, local_path: str) -> bool:
+        try:
+            shutil.copyfile(self.directory / blob_id, local_path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def remove(self, blob_id: str) -> None:
+        (self.directory / blob_id).unlink(missing_ok=True)
+
+    def check(self) -> None:
+        if not (self.directory.is_dir() and os.access(self.directory, os.W_OK | os.X_OK)):
+            raise OSError(f"{self.directory} is not a writable directory")
+
+    def read_range(self, blob_id: str, start: int, end: int) -> Iterator[bytes]:
+        """Bytes [start, end) of a blob, in chunks (UnavailableError when it cannot be opened)."""
+        try:
+            file = open(self.directory / blob_id, "rb")
+            file.seek(start)
+        except OSError as error:
+            raise unavailable(error) from None
+        return _closing(_read(file, end - start), file)
+
+
+def _read(file: Any, remaining: int) -> Iterator[bytes]:
+    while remaining > 0:
+        chunk = file.read(min(READ_CHUNK, remaining))
+        if not chunk:
+            return
+        remaining -= len(chunk)
+        yield chunk
+
+
+def _closing(chunks: Iterator[bytes], resource: Any) -> Iterator[bytes]:
+    """`chunks`, closing `resource` when they are done or abandoned (a client that hung up)."""
+    try:
+        yield from chunks
+    finally:
+        resource.close()

@@ -24,18 +24,19 @@ BLOB_URL_ENV = "CARTRIDGES_BLOB_URL"
 
 
 def open_store(data_dir: str | Path, *, sync: bool = True, database_url: str | None = None,
-               blob_url: str | None = None) -> Any:
+               blob_url: str | None = None, blob_mirror: Any | None = None) -> Any:
     """Opens (creating if needed) the store under data_dir: migrations applied, leftovers swept.
     Records live in SQLite under data_dir unless `database_url` names another database
     ("sqlite:///path.db", or "postgresql://user:password@host:port/db" shared by replicas);
-    blobs live under data_dir unless `blob_url` names an object store ("s3://bucket/prefix"),
-    data_dir/blobs then being their local cache."""
-    mirror = None
-    if blob_url:
+    blobs live under data_dir unless `blob_url` names an object store ("s3://bucket/prefix") or
+    a shared directory ("file:///path"), data_dir/blobs then being their local cache.
+    `blob_mirror`: the mirror of `blob_url` opened already (`cartridges.blobs.open_blob_mirror`),
+    for a caller that also reads through it."""
+    if blob_mirror is None and blob_url:
         from .blobs import open_blob_mirror
 
-        mirror = open_blob_mirror(blob_url)
-    return core().Store(str(Path(data_dir)), sync=sync, database_url=database_url or "", blob_mirror=mirror)
+        blob_mirror = open_blob_mirror(blob_url)
+    return core().Store(str(Path(data_dir)), sync=sync, database_url=database_url or "", blob_mirror=blob_mirror)
 
 
 def store_env(database_url: str | None, blob_url: str | None) -> dict[str, str]:

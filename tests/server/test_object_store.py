@@ -89,6 +89,75 @@ def replicas(tmp_path: Path, postgres_url: str, s3_server: S3Server, s3_blob_url
                                 LiveServer(tmp_path / "second", model=tiny_model_dir, env=env))
 
 
+@pytest.fixture(params=["s3", "directory"])
+def shared_blob_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A blob store two replicas share: a bucket of moto's S3 server (its AWS_* variables set
+    for this process), or a directory both mount (file:///...)."""
+    if request.param == "s3":
+        return request.getfixturevalue("s3_blob_url")
+    return (tmp_path / "shared blobs").as_uri()  # a space: the URL is percent-encoded
+
+
+def test_a_shared_directory_holds_the_blobs_as_a_bucket_does(tmp_path: Path) -> None:
+    """file:///path: blobs are files of that directory; a cache emptied (another machine) fetches
+    them back; deleting removes them; a directory that cannot be made is an UnavailableError at
+    ping."""
+    shared = tmp_path / "shared"
+    store = open_store(tmp_path / "data", sync=False, blob_url=shared.as_uri())
+    owner = core().Owner(store.create_user("alice").id, False)
+    file_id = _put(store, owner, b"y" * 70_000)
+    local = {p.name for p in (tmp_path / "data" / "blobs").iterdir() if p.is_file()}
+    assert {p.name for p in shared.iterdir()} == local and len(local) == 1
+    for name in local:
+        (tmp_path / "data" / "blobs" / name).unlink()
+    assert Path(store.file_content_path(owner, file_id)).read_bytes() == b"y" * 70_000
+    store.delete_file(owner, file_id)
+    assert list(shared.iterdir()) == []
+    store.close()
+    with pytest.raises(ValueError, match="file:///"):
+        open_store(tmp_path / "data", blob_url="file://host/relative")
+    (tmp_path / "a file").write_text("in the way")
+    gone = open_store(tmp_path / "other", sync=False, blob_url=(tmp_path / "a file" / "blobs").as_uri())
+    with pytest.raises(core().UnavailableError, match="object store"):
+        gone.ping()
+    gone.close()
+
+
+def test_downloads_stream_out_of_the_blob_store_through_any_replica(
+        tmp_path: Path, postgres_url: str, shared_blob_url: str, tiny_model_dir: Path) -> None:
+    """A replica without the blob streams it out of the blob store, whole or by Range, and
+    keeps no copy; a bad Range is refused in OpenAI's shape, as for a local file."""
+    import base64
+    import os
+
+    env = {DATABASE_URL_ENV: postgres_url, BLOB_URL_ENV: shared_blob_url,
+           **{k: v for k, v in os.environ.items() if k.startswith("AWS_")}}
+    content = base64.b64encode(os.urandom(3 << 20))  # text: uploads are documents
+    for first, second in running_replicas(LiveServer(tmp_path / "first", model=tiny_model_dir, env=env),
+                                          LiveServer(tmp_path / "second", model=tiny_model_dir, env=env)):
+        key = first.add_user("alice")
+        file_id = first.openai(key).files.create(file=("data.txt", content), purpose="assistants").id
+        http = second.http(key)
+        whole = http.get(f"/v1/files/{file_id}/content")
+        assert whole.status_code == 200 and whole.content == content
+        assert whole.headers["content-length"] == str(len(content))
+        assert whole.headers["content-disposition"].startswith('attachment; filename="data.txt"')
+        part = http.get(f"/v1/files/{file_id}/content", headers={"Range": "bytes=1000-1999"})
+        assert part.status_code == 206 and part.content == content[1000:2000]
+        assert part.headers["content-range"] == f"bytes 1000-1999/{len(content)}"
+        tail = http.get(f"/v1/files/{file_id}/content", headers={"Range": "bytes=-10"})
+        assert tail.status_code == 206 and tail.content == content[-10:]
+        bad = http.get(f"/v1/files/{file_id}/content", headers={"Range": "lines=1-2"})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_range"
+        outside = http.get(f"/v1/files/{file_id}/content", headers={"Range": f"bytes={len(content)}-"})
+        assert outside.status_code == 416 and outside.json()["error"]["code"] == "range_not_satisfiable"
+        assert second.blob_names() == set()  # streamed, never written to the second machine's disk
+        # Another user sees nothing of it through either replica.
+        stranger = second.http(second.add_user("mallory")).get(f"/v1/files/{file_id}/content")
+        assert stranger.status_code == 404
+        assert first.http(key).get(f"/v1/files/{file_id}/content").content == content  # its own copy
+
+
 @pytest.mark.slow
 def test_a_datablock_trained_through_one_replica_is_served_by_another(
         replicas: tuple[LiveServer, LiveServer]) -> None:
@@ -96,14 +165,17 @@ def test_a_datablock_trained_through_one_replica_is_served_by_another(
     key = first.add_user("alice")
     file_id = upload_text(first.openai(key), DOCUMENT)
     assert second.openai(key).files.content(file_id).read() == DOCUMENT.encode()
-    assert second.blob_names()  # fetched into the second machine's cache
+    assert second.blob_names() == set()  # a download streams out of the bucket
 
     with Client(first.url, key) as client:
         block = client.datablocks.train([file_id], name="handbook", config=TINY_TRAIN_CONFIG)
     served_by(second, key, block["id"])
     # The cartridge came from the object store into the second machine's cache; the first
-    # replica never loaded it, yet serves it too.
-    assert len(second.blob_names()) >= 2
+    # replica never loaded it, yet serves it too, and either one downloads it.
+    assert second.blob_names()
+    cartridge = second.http(key).get(f"/v1/datablocks/{block['id']}/content")
+    assert cartridge.status_code == 200 and cartridge.content[:8] == first.http(key).get(
+        f"/v1/datablocks/{block['id']}/content").content[:8]
     loaded = first.http(key).post("/preload", json=[block["id"]])
     assert loaded.status_code == 200, loaded.text
 

@@ -88,6 +88,14 @@ class BlobMirror {
   virtual void check() = 0;
 };
 
+// Where a stored blob's bytes are read from: the local file when blobs/ holds it whole, else
+// (with a blob mirror) the mirror's object of that id, which a reader streams from there.
+struct BlobContent {
+  std::string blob_id;
+  int64_t bytes = 0;
+  std::string local_path;  // "" when only the mirror has it
+};
+
 struct StoreOptions {
   // Directory holding store.db and blobs/; created if missing. Required.
   std::string data_dir;
@@ -281,6 +289,9 @@ class Store {
   void set_file_error(const Owner& owner, const std::string& id, const std::string& details);
   // Path of the content blob, after checking it exists with the recorded size (CorruptError).
   std::string file_content_path(const Owner& owner, const std::string& id);
+  // Where the content blob can be read without fetching it first: the local file, or with a
+  // mirror the object to stream (a download that never lands on this machine's disk).
+  BlobContent file_content(const Owner& owner, const std::string& id);
   // Reads the content blob whole and checks its CRC-32 (CorruptError).
   void verify_file(const Owner& owner, const std::string& id);
   // The text that training and chat use; ConflictError unless processed, CorruptError if damaged.
@@ -329,6 +340,8 @@ class Store {
   // Path of the stored cartridge after checking its size (CorruptError); ConflictError
   // unless succeeded.
   std::string datablock_cartridge_path(const Owner& owner, const std::string& id);
+  // As file_content, for the cartridge of a succeeded datablock.
+  BlobContent datablock_content(const Owner& owner, const std::string& id);
   // Reads the cartridge blob whole and checks its CRC-32 (CorruptError).
   void verify_datablock(const Owner& owner, const std::string& id);
 
@@ -350,6 +363,9 @@ class Store {
   void ensure_local(const BlobRef& blob, const std::string& what) const;
   // Path of a blob after checking it exists with its recorded size (CorruptError naming `what`).
   std::string checked_blob_path(const BlobRef& blob, const std::string& what) const;
+  // The local file when it is whole, else the mirror's object; without a mirror, as
+  // checked_blob_path.
+  BlobContent content_of(const BlobRef& blob, const std::string& what) const;
   void insert_blob_locked(const BlobRef& blob);  // records a committed blob (inside a transaction)
   // Locked helpers.
   FileRecord get_file_locked(const Owner& owner, const std::string& id);

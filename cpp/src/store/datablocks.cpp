@@ -382,6 +382,15 @@ std::string Store::datablock_cartridge_path(const Owner& owner, const std::strin
   return checked_blob_path(blob, "cartridge of datablock '" + id + "'");
 }
 
+BlobContent Store::datablock_content(const Owner& owner, const std::string& id) {
+  BlobRef blob;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    blob = datablock_blob_locked(owner, id);
+  }
+  return content_of(blob, "cartridge of datablock '" + id + "'");
+}
+
 void Store::verify_datablock(const Owner& owner, const std::string& id) {
   BlobRef blob;
   {

@@ -207,6 +207,15 @@ std::string Store::file_content_path(const Owner& owner, const std::string& id) 
   return checked_blob_path(blob, "content of file '" + id + "'");
 }
 
+BlobContent Store::file_content(const Owner& owner, const std::string& id) {
+  BlobRef blob;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    blob = file_blob_locked(owner, id, false);
+  }
+  return content_of(blob, "content of file '" + id + "'");
+}
+
 void Store::verify_file(const Owner& owner, const std::string& id) {
   BlobRef blob;
   {

@@ -352,6 +352,14 @@ std::string Store::checked_blob_path(const BlobRef& blob, const std::string& wha
   return path;
 }
 
+BlobContent Store::content_of(const BlobRef& blob, const std::string& what) const {
+  if (!options_.blob_mirror) return BlobContent{blob.id, blob.bytes, checked_blob_path(blob, what)};
+  const std::string path = blob_path(blob.id);
+  struct stat st {};
+  const bool whole = ::stat(path.c_str(), &st) == 0 && st.st_size == blob.bytes;
+  return BlobContent{blob.id, blob.bytes, whole ? path : std::string()};
+}
+
 std::string Store::read_blob(const BlobRef& blob, const std::string& what, bool keep) const {
   ensure_local(blob, what);
   const std::string path = blob_path(blob.id);

@@ -21,8 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="where records live: postgresql://user:password@host:port/db shared by replicas, or "
                         "sqlite:///path.db (CARTRIDGES_DATABASE_URL; default SQLite in the data directory)")
     p.add_argument("--blob-url", metavar="URL",
-                   help="where blobs live: s3://bucket/prefix, with the AWS_* variables (CARTRIDGES_BLOB_URL; "
-                        "default: the data directory)")
+                   help="where blobs live: s3://bucket/prefix, with the AWS_* variables, or file:///path, a "
+                        "directory every replica mounts (CARTRIDGES_BLOB_URL; default: the data directory)")
     p.add_argument("--model", help="base model: HF directory or GGUF file (CARTRIDGES_MODEL; default: embedded)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"],
                    help="where the model runs (CARTRIDGES_DEVICE; default auto: cuda when available)")

@@ -19,6 +19,7 @@ from cartridges.server.openapi_examples import add_examples
 from cartridges.server.routers import chat, datablocks, files, serving
 from cartridges.server.serving import Serving
 from cartridges.server.settings import Settings
+from cartridges.blobs import open_blob_mirror
 from cartridges.store import core, open_store, store_env
 
 API_PREFIXES = ("/api/v1", "/v1")
@@ -38,8 +39,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        mirror = open_blob_mirror(settings.blob_url)  # downloads stream out of it
         store = open_store(settings.data_dir, sync=settings.store_sync, database_url=settings.database_url,
-                           blob_url=settings.blob_url)
+                           blob_mirror=mirror)
+        app.state.blob_mirror = mirror
         try:
             keys.bootstrap(store, settings.api_key)
             admin = None

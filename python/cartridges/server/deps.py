@@ -24,6 +24,11 @@ def get_store(request: Request) -> Any:
     return request.app.state.store
 
 
+def get_blob_mirror(request: Request) -> Any:
+    """The store's blob mirror (`cartridges.blobs`), None when blobs live in the data directory."""
+    return getattr(request.app.state, "blob_mirror", None)
+
+
 def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
@@ -45,6 +50,7 @@ def get_extractor(request: Request) -> Extractor:
 
 
 StoreDep = Annotated[Any, Depends(get_store)]
+BlobMirrorDep = Annotated[Any, Depends(get_blob_mirror)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 ServingDep = Annotated[Serving, Depends(get_serving)]
 SupervisorDep = Annotated[Supervisor, Depends(get_supervisor)]

@@ -54,10 +54,11 @@ class Settings(BaseModel):
     """Where the store's records live: None keeps SQLite in data_dir; sqlite:///path.db names
     another SQLite file; postgresql://user:password@host:port/db a PostgreSQL database that
     several servers share."""
-    blob_url: str | None = Field(None, pattern=r"^s3://[^/]+(/.*)?$")
+    blob_url: str | None = Field(None, pattern=r"^(s3://[^/]+(/.*)?|file:///.+)$")
     """Where blobs (uploaded files, cartridges) live: None keeps them in data_dir; s3://bucket/prefix
-    an S3-compatible object store (AWS_ENDPOINT_URL and the other AWS_* variables), data_dir/blobs
-    then being a local cache."""
+    an S3-compatible object store (AWS_ENDPOINT_URL and the other AWS_* variables); file:///path a
+    directory every replica mounts (NFS, a shared volume). With either, data_dir/blobs is a local
+    cache and downloads stream out of the blob store."""
     model: str | None = None
     """Base model: a Hugging Face directory or a GGUF file; None is the embedded default model."""
     max_upload_bytes: int = Field(MAX_UPLOAD_BYTES, ge=1)

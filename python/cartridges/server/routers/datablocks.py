@@ -26,7 +26,8 @@ from cartridges.server.datablock_schemas import (
     DatablockStatus,
     TrainRequest,
 )
-from cartridges.server.deps import CurrentUser, ServingDep, SettingsDep, StoreDep, SupervisorDep
+from cartridges.server.deps import BlobMirrorDep, CurrentUser, ServingDep, SettingsDep, StoreDep, SupervisorDep
+from cartridges.server.downloads import blob_response, content_disposition
 from cartridges.server.errors import APIError, error_responses
 from cartridges.server.schemas import list_object
 
@@ -121,6 +122,7 @@ def datablock_content(
     datablock_id: DatablockId,
     user: CurrentUser,
     store: StoreDep,
+    mirror: BlobMirrorDep,
     format: Annotated[Literal["safetensors", "peft", "pt"], Query(
         description="`safetensors`: this package's cartridge file (`Cartridge.load`); `peft`: a zip of a Hugging "
         "Face PEFT `CARTRIDGE` adapter directory (`PeftModel.from_pretrained`); `pt`: the research code's "
@@ -133,11 +135,12 @@ def datablock_content(
     if record.status != "succeeded":
         raise APIError(409, f"Datablock '{record.id}' has no cartridge yet (status: {record.status}).",
                        code="cartridge_not_ready")
-    path = store.datablock_cartridge_path(user.owner, record.id)
     suffix, media_type = EXPORT_FORMATS[format]
     filename = f"{record.project}-{record.run_id}{suffix}"
-    if format == "safetensors":
-        return FileResponse(path, media_type=media_type, filename=filename)
+    if format == "safetensors":  # the stored file itself
+        return blob_response(store.datablock_content(user.owner, record.id), mirror, media_type,
+                             {"Content-Disposition": content_disposition(filename)})
+    path = store.datablock_cartridge_path(user.owner, record.id)
     try:
         cartridge = Cartridge.load(path)
     except CartridgeFileError as error:

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from typing import Annotated, Literal
-from urllib.parse import quote
 
 from fastapi import APIRouter, Path, Query, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import Headers
-from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
-from starlette.types import Receive, Scope, Send
 
-from cartridges.server.deps import CurrentUser, ExtractorDep, SettingsDep, StoreDep
-from cartridges.server.errors import error_response, error_responses
+from cartridges.server.deps import BlobMirrorDep, CurrentUser, ExtractorDep, SettingsDep, StoreDep
+from cartridges.server.downloads import blob_response, content_disposition
+from cartridges.server.errors import error_responses
 from cartridges.server.file_schemas import (
     MEDIA_TYPES,
     UPLOAD_REQUEST_BODY,
@@ -95,44 +91,9 @@ def delete_file(file_id: FileId, user: CurrentUser, store: StoreDep) -> FileDele
         **error_responses(400, 401, 404, 416, 500),
     },
 )
-def file_content(file_id: FileId, user: CurrentUser, store: StoreDep) -> FileResponse:
+def file_content(file_id: FileId, user: CurrentUser, store: StoreDep, mirror: BlobMirrorDep) -> Response:
     """The content, with the Content-Type of its type and `Content-Disposition: attachment`."""
     record = store.get_file(user.owner, file_id)
-    path = store.file_content_path(user.owner, file_id)  # checks the blob is whole
-    return RangedFileResponse(
-        path,
-        media_type=MEDIA_TYPES[file_extension(record.filename)],
-        headers={"Content-Disposition": content_disposition(record.filename)},
-    )
-
-
-class RangedFileResponse(FileResponse):
-    """A FileResponse whose refused `Range` headers are answered in OpenAI's error shape, where
-    Starlette's answers a plain-text 400 or an empty 416. It asks Starlette's own parser (the
-    pinned version's), so that what is refused here is exactly what Starlette would refuse."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.stat_result is None:  # as Starlette does first: If-Range compares with these headers
-            self.stat_result = await run_in_threadpool(os.stat, self.path)
-            self.set_stat_headers(self.stat_result)
-        headers = Headers(scope=scope)
-        http_range, if_range = headers.get("range"), headers.get("if-range")
-        if http_range is not None and (if_range is None or self._should_use_range(if_range)):
-            size = self.stat_result.st_size
-            try:
-                self._parse_range_header(http_range, size)
-            except MalformedRangeHeader as error:
-                response = error_response(400, f"Malformed Range header: {error.content}", code="invalid_range",
-                                          param="Range")
-                return await response(scope, receive, send)
-            except RangeNotSatisfiable:
-                response = error_response(416, f"The requested range is outside the file ({size} bytes).",
-                                          code="range_not_satisfiable", headers={"Content-Range": f"bytes */{size}"})
-                return await response(scope, receive, send)
-        await super().__call__(scope, receive, send)
-
-
-def content_disposition(filename: str) -> str:
-    """`filename=` with an ASCII fallback, plus `filename*=` (RFC 6266) for the exact name."""
-    fallback = "".join(c if 0x20 <= ord(c) < 0x7F and c not in '"\\' else "_" for c in filename)
-    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{quote(filename, safe='')}"
+    content = store.file_content(user.owner, file_id)  # the local file, checked whole, or the mirror's
+    return blob_response(content, mirror, MEDIA_TYPES[file_extension(record.filename)],
+                         {"Content-Disposition": content_disposition(record.filename)})
