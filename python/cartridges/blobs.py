@@ -100,6 +100,11 @@ class S3Blobs(core().BlobMirror):  # type: ignore[misc]
     def check(self) -> None:
         self._client.head_bucket(Bucket=self.bucket)
 
+    def names(self, prefix: str) -> list[str]:
+        """The names (as given to upload) of the objects under `prefix`."""
+        pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
+        return [item["Key"][len(self.prefix):] for page in pages for item in page.get("Contents", [])]
+
     def read_range(self, blob_id: str, start: int, end: int) -> Iterator[bytes]:
         """Bytes [start, end) of a blob, in chunks as they arrive. The request is made before the
         first chunk is asked for, so that an unreachable store fails the call (UnavailableError)
@@ -126,13 +131,15 @@ class DirectoryBlobs(core().BlobMirror):  # type: ignore[misc]
 
     def upload(self, blob_id: str, local_path: str) -> None:
         # Written under a temporary name, flushed and renamed: the directory never shows half a blob.
-        handle, tmp = tempfile.mkstemp(dir=self.directory, prefix=".upload-")
+        target = self.directory / blob_id
+        target.parent.mkdir(parents=True, exist_ok=True)  # a name with a folder: a job's checkpoints
+        handle, tmp = tempfile.mkstemp(dir=target.parent, prefix=".upload-")
         try:
-            with open(local_path, "rb") as source, os.fdopen(handle, "wb") as target:
-                shutil.copyfileobj(source, target, PART_BYTES)
-                target.flush()
-                os.fsync(target.fileno())
-            os.replace(tmp, self.directory / blob_id)
+            with open(local_path, "rb") as source, os.fdopen(handle, "wb") as copy:
+                shutil.copyfileobj(source, copy, PART_BYTES)
+                copy.flush()
+                os.fsync(copy.fileno())
+            os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
@@ -150,6 +157,14 @@ class DirectoryBlobs(core().BlobMirror):  # type: ignore[misc]
     def check(self) -> None:
         if not (self.directory.is_dir() and os.access(self.directory, os.W_OK | os.X_OK)):
             raise OSError(f"{self.directory} is not a writable directory")
+
+    def names(self, prefix: str) -> list[str]:
+        """The names (as given to upload) of the files under `prefix`."""
+        folder = self.directory / prefix.rsplit("/", 1)[0] if "/" in prefix else self.directory
+        if not folder.is_dir():
+            return []
+        found = (p.relative_to(self.directory).as_posix() for p in folder.rglob("*") if p.is_file())
+        return sorted(n for n in found if n.startswith(prefix) and not n.rsplit("/", 1)[-1].startswith(".upload-"))
 
     def read_range(self, blob_id: str, start: int, end: int) -> Iterator[bytes]:
         """Bytes [start, end) of a blob, in chunks (UnavailableError when it cannot be opened)."""

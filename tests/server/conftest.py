@@ -246,3 +246,12 @@ def chat_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Ite
         yield live
     finally:
         live.stop()
+
+
+@pytest.fixture(params=["s3", "directory"])
+def shared_blob_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A blob store two replicas share: a bucket of moto's S3 server (its AWS_* variables set
+    for this process), or a directory both mount (file:///...)."""
+    if request.param == "s3":
+        return request.getfixturevalue("s3_blob_url")
+    return (tmp_path / "shared blobs").as_uri()  # a space: the URL is percent-encoded

@@ -31,8 +31,9 @@ def store(tmp_path: Path):
     s.close()
 
 
-def queue_job(store, model_dir: Path, **fields: object) -> tuple[object, str, str]:
-    owner = core().Owner(store.create_user("alice").id, False)
+def queue_job(store, model_dir: Path, owner: object = None, **fields: object) -> tuple[object, str, str]:
+    """A job of a new user alice (or of `owner`) on a file still to be processed."""
+    owner = owner or core().Owner(store.create_user("alice").id, False)
     writer = store.begin_blob()
     writer.write(DOCUMENT.encode())
     file_id = store.create_file(owner, writer, "doc.txt", "cartridge-training").id  # status: uploaded

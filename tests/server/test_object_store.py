@@ -89,15 +89,6 @@ def replicas(tmp_path: Path, postgres_url: str, s3_server: S3Server, s3_blob_url
                                 LiveServer(tmp_path / "second", model=tiny_model_dir, env=env))
 
 
-@pytest.fixture(params=["s3", "directory"])
-def shared_blob_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A blob store two replicas share: a bucket of moto's S3 server (its AWS_* variables set
-    for this process), or a directory both mount (file:///...)."""
-    if request.param == "s3":
-        return request.getfixturevalue("s3_blob_url")
-    return (tmp_path / "shared blobs").as_uri()  # a space: the URL is percent-encoded
-
-
 def test_a_shared_directory_holds_the_blobs_as_a_bucket_does(tmp_path: Path) -> None:
     """file:///path: blobs are files of that directory; a cache emptied (another machine) fetches
     them back; deleting removes them; a directory that cannot be made is an UnavailableError at

@@ -38,6 +38,8 @@ POLL_S = 0.5
 # Live jobs looked at per status when choosing the next one (those another server's worker
 # holds are passed over).
 NEXT_JOB_WINDOW = 16
+# How often the blob store's checkpoints of jobs that ended without a worker are looked for.
+CHECKPOINT_SWEEP_S = 300.0
 
 
 class WorkerHandle(Protocol):
@@ -67,8 +69,10 @@ class Supervisor:
     def __init__(self, store: Any, data_dir: str | os.PathLike[str], *, max_jobs: int = 1,
                  worker_threads: int = 0, int8_activations: bool = True, poll_s: float = POLL_S,
                  store_env: Mapping[str, str] | None = None, backend: Literal["local", "ray"] = "local",
-                 on_workers_changed: Callable[[int], None] | None = None) -> None:
+                 on_workers_changed: Callable[[int], None] | None = None, blob_mirror: Any = None) -> None:
         """`store_env`: the environment that makes a worker open the same store (store.store_env).
+        `blob_mirror`: the store's blob store (cartridges.blobs), where jobs keep checkpoints too;
+        the supervisor removes those of jobs that ended while no worker ran them.
         `backend`: "local" runs each job in a worker process of this server, "ray" as a task on
         the Ray cluster of RAY_ADDRESS (ray_backend.py).
         `on_workers_changed(n)` is called from the supervisor thread whenever the number of
@@ -87,6 +91,8 @@ class Supervisor:
         self.int8_activations = int8_activations
         self._poll_s = poll_s
         self.on_workers_changed = on_workers_changed
+        self._blob_mirror = blob_mirror
+        self._swept_at = -CHECKPOINT_SWEEP_S
         self._workers: dict[str, _Worker] = {}
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -130,6 +136,7 @@ class Supervisor:
                 self._reap()
                 self._stop_abandoned()
                 self._launch()
+                self._sweep_checkpoints()
                 if self.on_workers_changed is not None and len(self._workers) != reported:
                     reported = len(self._workers)
                     self.on_workers_changed(reported)
@@ -137,6 +144,16 @@ class Supervisor:
                 log.exception("job supervisor")
             self._wake.wait(self._poll_s)
             self._wake.clear()
+
+    def _sweep_checkpoints(self) -> None:
+        if self._blob_mirror is None or time.monotonic() - self._swept_at < CHECKPOINT_SWEEP_S:
+            return
+        self._swept_at = time.monotonic()
+        from .checkpoints import sweep
+
+        removed = sweep(self._blob_mirror, self._store, self._core)
+        if removed:
+            log.info("removed the blob store's checkpoints of %d ended jobs", removed)
 
     def _record(self, run_id: str) -> Any | None:
         try:

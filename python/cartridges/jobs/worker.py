@@ -49,26 +49,35 @@ class JobFailed(Exception):
 def run_job(run_id: str, data_dir: str | os.PathLike[str], database_url: str = "", blob_url: str = "") -> int:
     """Trains datablock `run_id` of the store in `data_dir` (its records in `database_url`, its
     blobs in `blob_url`: see open_store) to its end; returns an exit code."""
+    from ..blobs import open_blob_mirror
     from ..store import core as compiled_core, open_store
 
     core = compiled_core()
-    store = open_store(data_dir, database_url=database_url, blob_url=blob_url)
+    mirror = open_blob_mirror(blob_url)
+    store = open_store(data_dir, database_url=database_url, blob_mirror=mirror)
     admin = core.Owner(0, True)
     try:
         record = store.get_datablock(admin, run_id)
         if record.status not in ("queued", "running"):
             return 0
-        lock = _lock_job(store.job_dir(admin, run_id))
+        scratch = store.job_dir(admin, run_id)
+        lock = _lock_job(scratch)
         if lock is None:
             return EXIT_BUSY
         owner = core.Owner(record.owner_id, False)  # the job acts as its owner from here on
         cancel = core.CancelToken()
+        from .checkpoints import CheckpointSync
         from .progress import JobProgress
 
         progress = JobProgress(store, owner, run_id, cancel, core)
+        # With a blob store the checkpoints live there too: a job another machine ran resumes.
+        sync = CheckpointSync(mirror, run_id, scratch) if mirror is not None else None
         try:
-            _train(store, owner, record, progress, cancel)
+            if sync is not None:
+                _restore_checkpoints(sync)
+            _train(store, owner, record, progress, cancel, sync)
         except HeldElsewhere:
+            sync = None  # the claimant's checkpoints are not ours to touch
             return EXIT_BUSY
         except JobFailed as failure:
             _fail(store, owner, run_id, failure.code, str(failure))
@@ -81,6 +90,8 @@ def run_job(run_id: str, data_dir: str | os.PathLike[str], database_url: str = "
             _fail(store, owner, run_id, "training_failed", f"{type(error).__name__}: {error}")
         finally:
             progress.close()
+            if sync is not None:
+                _finish_checkpoints(sync, store, admin, run_id)
             os.close(lock)
         return 0
     except (core.NotFoundError, core.ConflictError):
@@ -89,7 +100,33 @@ def run_job(run_id: str, data_dir: str | os.PathLike[str], database_url: str = "
         store.close()
 
 
-def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> None:
+def _restore_checkpoints(sync: Any) -> None:
+    """The blob store's checkpoints of the job, if any; without them (the store away) the job
+    resumes from what this machine has."""
+    try:
+        sync.restore()
+    except Exception as error:
+        log.warning("checkpoints not restored from the blob store: %s", error)
+
+
+def _finish_checkpoints(sync: Any, store: Any, admin: Any, run_id: str) -> None:
+    """The job's checkpoints in the blob store: removed once it has ended, else brought up to
+    date for whichever worker resumes it."""
+    import cartridges_core as core
+
+    try:
+        ended = store.get_datablock(admin, run_id).status not in ("queued", "running")
+    except core.NotFoundError:
+        ended = True  # deleted
+    except Exception:
+        ended = False  # the database away: keep them
+    try:
+        sync.clear() if ended else sync.stop()
+    except Exception as error:
+        log.warning("checkpoints in the blob store not updated: %s", error)
+
+
+def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync: Any = None) -> None:
 
     from ..selfstudy import Corpus
     from ..selfstudy.config import TrainConfig
@@ -120,6 +157,8 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any) -> N
             raise HeldElsewhere(run_id) from None  # another server's worker claimed it a moment ago
         raise
     progress.start()
+    if sync is not None:
+        sync.start()
     scratch = Path(store.job_dir(owner, run_id))
 
     def on_progress(stage: str, done: int, total: int, loss: float | None) -> bool:
