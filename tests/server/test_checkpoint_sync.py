@@ -37,6 +37,7 @@ def test_checkpoints_are_copied_as_they_change_brought_back_and_removed(tmp_path
     (scratch / "train.ckpt").write_bytes(b"step 2")
     (scratch / ".lock").write_bytes(b"")
     (scratch / "train.ckpt.tmp").write_bytes(b"half written")
+    (scratch / "worker.log").write_bytes(b"the worker's own output")
     sync = CheckpointSync(mirror, "run1", scratch, interval_s=3600)
     sync.sync()
     assert mirror.names("jobs/run1/") == ["jobs/run1/train.ckpt"]  # whole files only

@@ -50,8 +50,9 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory, s3_server) -> Iterator
     log = tmp_path_factory.mktemp("ray") / "ray.log"
     env = dict(os.environ, SLOW_JOB_STEP_S=str(STEP_DELAY_S), RAY_USAGE_STATS_ENABLED="0", **NO_AUTH, **s3_server.env,
                PYTHONPATH=os.pathsep.join(filter(None, [str(SLOW_JOBS), os.environ.get("PYTHONPATH")])))
-    _ray(log, "start", "--head", "--port", str(port), "--num-cpus", "2", "--include-dashboard=false",
-         "--disable-usage-stats", env=env)
+    # One GPU declared (a logical resource: the tasks still run on CPUs here) for worker_gpus.
+    _ray(log, "start", "--head", "--port", str(port), "--num-cpus", "2", "--num-gpus", "1",
+         "--include-dashboard=false", "--disable-usage-stats", env=env)
     try:
         # The head listens on the address Ray takes for this node, not on loopback.
         yield f"{ray.util.get_node_ip_address()}:{port}"
@@ -115,6 +116,28 @@ def test_a_job_runs_on_the_cluster_reports_progress_and_is_cancelled(ray_server:
         client.datablocks.delete(cancelled["id"])
         wait_until(lambda: not _task_processes(), timeout=30, what="the task to stop")
         assert ray_server.blob_names() == blobs
+
+
+def test_a_job_asks_the_cluster_for_the_gpus_of_worker_gpus(tmp_path: Path, tiny_model_dir: Path,
+                                                            ray_address: str) -> None:
+    """CARTRIDGES_WORKER_GPUS=1: the job's task holds the cluster's one GPU while it runs."""
+    server = LiveServer(tmp_path / "data", model=tiny_model_dir,
+                        env={"CARTRIDGES_JOB_BACKEND": "ray", "RAY_ADDRESS": ray_address, **NO_AUTH,
+                             "CARTRIDGES_WORKER_THREADS": "1", "CARTRIDGES_WORKER_GPUS": "1"})
+    for (server,) in running_replicas(server):
+        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        try:
+            assert ray.cluster_resources().get("GPU") == 1
+            with Client(server.url, API_KEY) as client:
+                file_id = upload_text(server.openai(), DOCUMENT)
+                block = client.datablocks.train(file_id, config={**SLOW_CONFIG, "num_samples": 64})
+                wait_until(at_stage(client, block["id"], "synthesizing", 2), what="the job on the cluster")
+                assert ray.available_resources().get("GPU", 0) == 0  # held by the job's task
+                done = client.datablocks.wait(block["id"], timeout=180, poll_interval=0.2, progress=False)
+                assert done["status"] == "succeeded", done
+            wait_until(lambda: ray.available_resources().get("GPU", 0) == 1, timeout=30, what="the GPU back")
+        finally:
+            ray.shutdown()
 
 
 def test_a_job_survives_the_kill_of_its_ray_worker(ray_server: LiveServer) -> None:

@@ -37,6 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "minus the training workers' while jobs run)")
     p.add_argument("--worker-threads", type=int, metavar="N",
                    help="threads of each training job's worker (CARTRIDGES_WORKER_THREADS; default 0: half the cores)")
+    p.add_argument("--worker-gpus", type=float, metavar="N",
+                   help="GPUs each training job asks of the Ray cluster, with --job-backend ray "
+                        "(CARTRIDGES_WORKER_GPUS; default 0)")
     p.add_argument("--max-jobs", type=int, metavar="N",
                    help="training jobs run at once (CARTRIDGES_MAX_JOBS; default 1)")
     p.add_argument("--job-backend", choices=["local", "ray"],

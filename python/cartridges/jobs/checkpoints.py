@@ -32,10 +32,12 @@ def job_prefix(run_id: str) -> str:
 
 
 def _checkpoint_files(scratch: Path) -> list[Path]:
-    """The scratch directory's whole checkpoint files: not the lock, not a file being written."""
+    """The scratch directory's whole checkpoint files: not the lock, not a file being written,
+    not the worker's log."""
     if not scratch.is_dir():
         return []
-    return [p for p in scratch.iterdir() if p.is_file() and not p.name.startswith(".") and not p.name.endswith(".tmp")]
+    return [p for p in scratch.iterdir()
+            if p.is_file() and not p.name.startswith(".") and not p.name.endswith((".tmp", ".log"))]
 
 
 class CheckpointSync:

@@ -35,9 +35,11 @@ def run_training_job(run_id: str, data_dir: str, env: Mapping[str, str], threads
     import torch
 
     from ..store import BLOB_URL_ENV, DATABASE_URL_ENV
-    from .worker import run_job
+    from .worker import WORKER_DEVICE_ENV, run_job
 
     torch.set_num_threads(threads)
+    if torch.cuda.is_available():  # Ray shows a task only the GPUs it asked for (num_gpus)
+        os.environ[WORKER_DEVICE_ENV] = "cuda"
     return run_job(run_id, data_dir, env.get(DATABASE_URL_ENV, ""), env.get(BLOB_URL_ENV, ""))
 
 
@@ -48,11 +50,14 @@ class RayTask:
     pid = None  # no process of this server runs it
 
     def __init__(self, run_id: str, data_dir: str, env: Mapping[str, str], threads: int,
-                 max_attempts: int) -> None:
+                 max_attempts: int, gpus: float = 0.0) -> None:
         import ray
 
-        remote = ray.remote(run_training_job).options(
-            name=TASK_NAME, num_cpus=threads, max_retries=max_attempts - 1, retry_exceptions=False)
+        # Asks for `threads` CPUs and `gpus` GPUs; Ray shows the task only the GPUs it was given
+        # (CUDA_VISIBLE_DEVICES), so the worker's model goes to CUDA exactly when it has one.
+        self.options = dict(name=TASK_NAME, num_cpus=threads, num_gpus=gpus, max_retries=max_attempts - 1,
+                            retry_exceptions=False)
+        remote = ray.remote(run_training_job).options(**self.options)
         self._ref: Any = remote.remote(run_id, data_dir, dict(env), threads)
         self._code: int | None = None
 

@@ -69,10 +69,13 @@ class Supervisor:
     def __init__(self, store: Any, data_dir: str | os.PathLike[str], *, max_jobs: int = 1,
                  worker_threads: int = 0, int8_activations: bool = True, poll_s: float = POLL_S,
                  store_env: Mapping[str, str] | None = None, backend: Literal["local", "ray"] = "local",
-                 on_workers_changed: Callable[[int], None] | None = None, blob_mirror: Any = None) -> None:
+                 on_workers_changed: Callable[[int], None] | None = None, blob_mirror: Any = None,
+                 worker_gpus: float = 0.0) -> None:
         """`store_env`: the environment that makes a worker open the same store (store.store_env).
         `blob_mirror`: the store's blob store (cartridges.blobs), where jobs keep checkpoints too;
         the supervisor removes those of jobs that ended while no worker ran them.
+        `worker_gpus`: the GPUs each Ray task asks for, on which it trains (the local backend's
+        workers train on CPUs).
         `backend`: "local" runs each job in a worker process of this server, "ray" as a task on
         the Ray cluster of RAY_ADDRESS (ray_backend.py).
         `on_workers_changed(n)` is called from the supervisor thread whenever the number of
@@ -88,6 +91,7 @@ class Supervisor:
         self._claimant = claimant_id(self._data_dir)
         self.max_jobs = max(1, max_jobs)
         self.worker_threads = worker_threads or default_worker_threads()
+        self.worker_gpus = worker_gpus
         self.int8_activations = int8_activations
         self._poll_s = poll_s
         self.on_workers_changed = on_workers_changed
@@ -231,7 +235,8 @@ class Supervisor:
             from .ray_backend import RayTask
 
             self._workers[run_id] = _Worker(
-                RayTask(run_id, self._data_dir, settings, self.worker_threads, MAX_ATTEMPTS), log_path)
+                RayTask(run_id, self._data_dir, settings, self.worker_threads, MAX_ATTEMPTS, self.worker_gpus),
+                log_path)
             log.info("job %s: submitted to the Ray cluster", run_id)
             return
         env = dict(os.environ, **settings)

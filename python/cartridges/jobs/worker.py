@@ -10,6 +10,8 @@ Environment (set by the supervisor, not part of the entry point's contract):
   CARTRIDGES_WORKER_THREADS   intra-op threads (torch.set_num_threads); unset: torch's default
   CARTRIDGES_INT8_ACTIVATIONS "0": float32 activations on quantized CPU weights, as the
                               server was told (load_model's int8_activations); unset: on
+  CARTRIDGES_WORKER_DEVICE    where the model trains: "cuda" in a Ray task given GPUs
+                              (ray_backend.py); unset: "cpu"
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ FILE_WAIT_POLL_S = 0.2
 # Training steps between checkpoints when the config leaves it to us (checkpoint_every = 0).
 DEFAULT_CHECKPOINT_EVERY = 10
 EXIT_BUSY = 75  # another worker holds this job
+WORKER_DEVICE_ENV = "CARTRIDGES_WORKER_DEVICE"
 
 
 class HeldElsewhere(Exception):
@@ -236,7 +239,8 @@ def _load_model(model_path: str) -> Any:
     from ..models import ModelLoadError
 
     try:
-        return load_model(model_path or None, int8_activations=int8_activations_from_env())
+        return load_model(model_path or None, device=os.environ.get(WORKER_DEVICE_ENV) or "cpu",
+                          int8_activations=int8_activations_from_env())
     except ModelLoadError as error:
         raise JobFailed("model_unavailable", str(error)) from None
 

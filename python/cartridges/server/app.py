@@ -56,7 +56,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                     worker_threads=settings.worker_threads,
                                     int8_activations=settings.int8_activations,
                                     store_env=store_env(settings.database_url, settings.blob_url),
-                                    backend=settings.job_backend, blob_mirror=mirror)
+                                    backend=settings.job_backend, blob_mirror=mirror,
+                                    worker_gpus=settings.worker_gpus)
             app.state.serving = Serving(settings, store, worker_threads=supervisor.worker_threads,
                                         max_jobs=supervisor.max_jobs)
             supervisor.on_workers_changed = app.state.serving.training_jobs_changed

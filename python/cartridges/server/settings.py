@@ -29,6 +29,7 @@ ENV_VARS = {
     "max_jobs": "CARTRIDGES_MAX_JOBS",
     "job_backend": "CARTRIDGES_JOB_BACKEND",
     "worker_threads": "CARTRIDGES_WORKER_THREADS",
+    "worker_gpus": "CARTRIDGES_WORKER_GPUS",
     "device": "CARTRIDGES_DEVICE",
     "kv_tokens": "CARTRIDGES_KV_TOKENS",
     "cartridge_memory_mib": "CARTRIDGES_CARTRIDGE_MEMORY_MIB",
@@ -76,6 +77,10 @@ class Settings(BaseModel):
     cluster of RAY_ADDRESS (a local cluster started in the server when it is unset)."""
     worker_threads: int = Field(0, ge=0)
     """Intra-op threads of each training worker; 0: half the cores, the rest left to serving."""
+    worker_gpus: float = Field(0.0, ge=0.0)
+    """GPUs each training job asks of the Ray cluster (job_backend "ray"; a fraction shares one);
+    0: none, the job trains on CPUs. A task given a GPU trains on CUDA; the local backend's
+    workers train on CPUs."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model runs: auto (cuda when available), cpu or cuda."""
     kv_tokens: int = Field(32768, ge=1)
