@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from .store import core
 PART_BYTES = 16 << 20
 # What one read of a ranged download hands the HTTP response at a time.
 READ_CHUNK = 1 << 20
+# How long a successful check of the bucket stands (a failed one is not remembered).
+CHECK_TTL_S = 5.0
 
 
 def parse_blob_url(url: str) -> tuple[str, str]:
@@ -76,12 +79,21 @@ class S3Blobs(core().BlobMirror):  # type: ignore[misc]
                                                         retries={"max_attempts": 3, "mode": "standard"}))
         self._transfer = TransferConfig(multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES,
                                         max_concurrency=4)
+        self._checked_at = -CHECK_TTL_S
 
     def _key(self, blob_id: str) -> str:
         return self.prefix + blob_id
 
+    def _failed(self) -> None:
+        """Any failure makes the next check() ask the bucket again."""
+        self._checked_at = -CHECK_TTL_S
+
     def upload(self, blob_id: str, local_path: str) -> None:
-        self._client.upload_file(local_path, self.bucket, self._key(blob_id), Config=self._transfer)
+        try:
+            self._client.upload_file(local_path, self.bucket, self._key(blob_id), Config=self._transfer)
+        except Exception:
+            self._failed()
+            raise
 
     def download(self, blob_id: str, local_path: str) -> bool:
         from botocore.exceptions import ClientError
@@ -91,14 +103,30 @@ class S3Blobs(core().BlobMirror):  # type: ignore[misc]
         except ClientError as error:
             if error.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return False
+            self._failed()
+            raise
+        except Exception:
+            self._failed()
             raise
         return True
 
     def remove(self, blob_id: str) -> None:
-        self._client.delete_object(Bucket=self.bucket, Key=self._key(blob_id))
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=self._key(blob_id))
+        except Exception:
+            self._failed()
+            raise
 
     def check(self) -> None:
-        self._client.head_bucket(Bucket=self.bucket)
+        # /health asks on every call: a bucket that answered within CHECK_TTL_S is not asked again.
+        if time.monotonic() - self._checked_at < CHECK_TTL_S:
+            return
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+        except Exception:
+            self._failed()
+            raise
+        self._checked_at = time.monotonic()
 
     def names(self, prefix: str) -> list[str]:
         """The names (as given to upload) of the objects under `prefix`."""
@@ -113,6 +141,7 @@ class S3Blobs(core().BlobMirror):  # type: ignore[misc]
             body = self._client.get_object(Bucket=self.bucket, Key=self._key(blob_id),
                                            Range=f"bytes={start}-{end - 1}")["Body"]
         except Exception as error:
+            self._failed()
             raise unavailable(error) from None
         return _closing(body.iter_chunks(READ_CHUNK), body)
 

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from cartridges.store import DATABASE_URL_ENV
-from postgres_server import PostgresServer, fresh_database
+from postgres_server import PostgresServer, drop_database, fresh_database
 
 from .conftest import API_KEY, LiveServer, running_replicas
 
@@ -112,6 +112,34 @@ def test_a_database_outage_is_a_503_and_unhealthy_until_it_is_back(tmp_path: Pat
             replica.stop()
     finally:
         database.stop()
+
+
+def test_a_server_whose_database_is_unreachable_at_start_waits_for_it_unhealthy(
+        tmp_path: Path, tiny_model_dir: Path, postgres_admin_url: str) -> None:
+    """It does not exit: /health says unhealthy and why, every API call is a 503, and once the
+    database answers the server starts and serves."""
+    import psycopg
+
+    name = "t_later_" + os.urandom(6).hex()
+    replica = _replica(tmp_path / "data", postgres_admin_url.rsplit("/", 1)[0] + "/" + name, tiny_model_dir)
+    replica.start(healthy=False)
+    try:
+        health = replica.http(None).get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+        assert "cannot reach the database" in health.json()["reason"]
+        listed = replica.http(API_KEY).get("/v1/files")
+        assert listed.status_code == 503 and listed.json()["error"]["code"] == "unavailable"
+        assert listed.headers["retry-after"] == "5"
+        assert replica.http(None).get("/metrics").status_code == 200
+        assert replica.alive()
+
+        with psycopg.connect(postgres_admin_url, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        assert _wait_status(replica.http(None), "/health", 200).json()["status"] == "healthy"
+        assert replica.http(API_KEY).get("/v1/files").status_code == 200  # the bootstrap key works
+    finally:
+        replica.stop()
+        drop_database(postgres_admin_url, replica.env[DATABASE_URL_ENV])
 
 
 def test_an_unreachable_database_at_start_is_a_clear_error(tmp_path: Path) -> None:

@@ -34,6 +34,21 @@ def test_settings_precedence() -> None:
     assert not int8_activations_from_env({"CARTRIDGES_INT8_ACTIVATIONS": "0"})
 
 
+def test_store_urls_are_checked_with_the_settings_and_never_show_a_password() -> None:
+    """A URL that cannot be read is refused before the server starts, naming its variable."""
+    with pytest.raises(ValueError, match="CARTRIDGES_DATABASE_URL: not a PostgreSQL URL") as refused:
+        Settings.from_env({"CARTRIDGES_DATABASE_URL": "postgresql://alice:s3cret@db:port/cartridges"})
+    assert "s3cret" not in str(refused.value) and "alice:***@db" in str(refused.value)
+    with pytest.raises(ValueError, match="database_url") as refused:
+        Settings.from_env({}, database_url="postgres://alice:s3cret@[db/cartridges")
+    assert "s3cret" not in str(refused.value)
+    with pytest.raises(ValueError, match="CARTRIDGES_BLOB_URL"):
+        Settings.from_env({"CARTRIDGES_BLOB_URL": "file://elsewhere/blobs"})
+    good = Settings.from_env({"CARTRIDGES_DATABASE_URL": "postgresql://alice:s3cret@db:5432/cartridges",
+                              "CARTRIDGES_BLOB_URL": "file:///srv/blobs", "CARTRIDGES_WORKER_GPUS": "0.5"})
+    assert (good.blob_url, good.worker_gpus) == ("file:///srv/blobs", 0.5)
+
+
 @pytest.mark.parametrize(
     ("raw", "expected"),
     [("a/b/c.txt", "c.txt"), ("C:\\x\\y.md", "y.md"), ("..", ""), ("a\u200b\x7f.csv", "a.csv"),

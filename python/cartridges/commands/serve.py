@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, data_dir=args.data_dir, database_url=args.database_url,
             blob_url=args.blob_url, model=args.model, device=args.device,
             kv_tokens=args.kv_tokens, cartridge_memory_mib=args.cartridge_memory_mib,
-            serve_threads=args.serve_threads, worker_threads=args.worker_threads, max_jobs=args.max_jobs,
+            serve_threads=args.serve_threads, worker_threads=args.worker_threads, worker_gpus=args.worker_gpus,
+            max_jobs=args.max_jobs,
             job_backend=args.job_backend,
             int8_activations=args.int8_activations)
     except ValueError as error:

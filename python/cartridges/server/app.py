@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from starlette.concurrency import run_in_threadpool
 
 from cartridges import __version__
 from cartridges.jobs import Supervisor
@@ -23,6 +27,10 @@ from cartridges.blobs import open_blob_mirror
 from cartridges.store import core, open_store, store_env
 
 API_PREFIXES = ("/api/v1", "/v1")
+# How often a server that could not open its store at start tries again.
+STORE_RETRY_S = 5
+
+log = logging.getLogger("cartridges.server")
 
 DESCRIPTION = """Train and serve cartridges: compact trained KV-cache prefixes that stand in for documents.
 
@@ -37,44 +45,86 @@ Every resource answers under both `/api/v1` and `/v1`."""
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings.from_env()
 
+    def open_app_store(mirror: Any) -> Any:
+        return open_store(settings.data_dir, sync=settings.store_sync, database_url=settings.database_url,
+                          blob_mirror=mirror)
+
+    async def start_services(app: FastAPI, store: Any, mirror: Any) -> None:
+        """What needs the store: keys, the text extractor, the supervisor and the engine."""
+        keys.bootstrap(store, settings.api_key)
+        admin = None
+        if settings.admin_key:
+            admin = keys.find_or_create_user(store, keys.ADMIN_USER)
+        app.state.admin_user_id = admin.id if admin else 0
+        app.state.extractor = Extractor(store, core().Owner(0, True))
+        await app.state.extractor.start()
+        supervisor = Supervisor(store, settings.data_dir, max_jobs=settings.max_jobs,
+                                worker_threads=settings.worker_threads,
+                                int8_activations=settings.int8_activations,
+                                store_env=store_env(settings.database_url, settings.blob_url),
+                                backend=settings.job_backend, blob_mirror=mirror,
+                                worker_gpus=settings.worker_gpus)
+        app.state.serving = Serving(settings, store, worker_threads=supervisor.worker_threads,
+                                    max_jobs=supervisor.max_jobs)
+        supervisor.on_workers_changed = app.state.serving.training_jobs_changed
+        app.state.supervisor = supervisor
+        app.state.serving.start()  # the model loads in the background; /health says when
+        supervisor.start()
+        app.state.store = store  # from here on the routes find everything they need
+
+    async def open_when_reachable(app: FastAPI, mirror: Any) -> None:
+        """The store opened as soon as its database and blob store answer; until then every
+        call needing it is a 503 and /health says why."""
+        while True:
+            await asyncio.sleep(STORE_RETRY_S)
+            try:
+                store = await run_in_threadpool(open_app_store, mirror)
+            except core().UnavailableError as error:
+                app.state.store_unavailable = str(error)
+                continue
+            log.warning("the store is reachable: starting")
+            app.state.store_unavailable = None
+            await start_services(app, store, mirror)
+            return
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         mirror = open_blob_mirror(settings.blob_url)  # downloads stream out of it
-        store = open_store(settings.data_dir, sync=settings.store_sync, database_url=settings.database_url,
-                           blob_mirror=mirror)
         app.state.blob_mirror = mirror
+        opener = None
         try:
-            keys.bootstrap(store, settings.api_key)
-            admin = None
-            if settings.admin_key:
-                admin = keys.find_or_create_user(store, keys.ADMIN_USER)
-            app.state.store = store
-            app.state.admin_user_id = admin.id if admin else 0
-            app.state.extractor = Extractor(store, core().Owner(0, True))
-            await app.state.extractor.start()
-            supervisor = Supervisor(store, settings.data_dir, max_jobs=settings.max_jobs,
-                                    worker_threads=settings.worker_threads,
-                                    int8_activations=settings.int8_activations,
-                                    store_env=store_env(settings.database_url, settings.blob_url),
-                                    backend=settings.job_backend, blob_mirror=mirror,
-                                    worker_gpus=settings.worker_gpus)
-            app.state.serving = Serving(settings, store, worker_threads=supervisor.worker_threads,
-                                        max_jobs=supervisor.max_jobs)
-            supervisor.on_workers_changed = app.state.serving.training_jobs_changed
-            app.state.supervisor = supervisor
-            app.state.serving.start()  # the model loads in the background; /health says when
-            supervisor.start()
+            store = await run_in_threadpool(open_app_store, mirror)
+        except core().UnavailableError as error:
+            log.error("%s; retrying every %d s, /health answers unhealthy meanwhile", error, STORE_RETRY_S)
+            app.state.store_unavailable = str(error)
+            opener = asyncio.create_task(open_when_reachable(app, mirror))
+        else:
             try:
-                yield
-            finally:
-                supervisor.stop()
-                app.state.serving.close()
-                await app.state.extractor.stop()
+                await start_services(app, store, mirror)
+            except BaseException:
+                store.close()
+                raise
+        try:
+            yield
         finally:
-            store.close()
+            if opener is not None:
+                opener.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await opener
+            if app.state.supervisor is not None:
+                app.state.supervisor.stop()
+            if app.state.serving is not None:
+                app.state.serving.close()
+            if app.state.extractor is not None:
+                await app.state.extractor.stop()
+            if app.state.store is not None:
+                app.state.store.close()
 
     app = FastAPI(title="cartridges", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
+    # Filled by the lifespan once the store opens (at start, or later when its services come back).
+    app.state.store = app.state.serving = app.state.supervisor = app.state.extractor = None
+    app.state.store_unavailable = None  # why the store could not be opened yet
     app.state.metrics = Metrics()
     app.state.metrics.attach(app)
     app.add_middleware(RequestCounter, metrics=app.state.metrics)

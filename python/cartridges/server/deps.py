@@ -20,8 +20,20 @@ from cartridges.server.serving import Serving
 from cartridges.server.settings import Settings
 
 
+def _started(request: Request, name: str) -> Any:
+    """A part of the server that exists once its store is open; until then (the database or
+    the blob store unreachable since start) an UnavailableError, a 503."""
+    part = getattr(request.app.state, name)
+    if part is None:
+        from cartridges.store import core
+
+        why = request.app.state.store_unavailable or "the store is opening"
+        raise core().UnavailableError(why)
+    return part
+
+
 def get_store(request: Request) -> Any:
-    return request.app.state.store
+    return _started(request, "store")
 
 
 def get_blob_mirror(request: Request) -> Any:
@@ -34,11 +46,11 @@ def get_settings(request: Request) -> Settings:
 
 
 def get_serving(request: Request) -> Serving:
-    return request.app.state.serving
+    return _started(request, "serving")
 
 
 def get_supervisor(request: Request) -> Supervisor:
-    return request.app.state.supervisor
+    return _started(request, "supervisor")
 
 
 def get_metrics(request: Request) -> Metrics:
@@ -46,7 +58,7 @@ def get_metrics(request: Request) -> Metrics:
 
 
 def get_extractor(request: Request) -> Extractor:
-    return request.app.state.extractor
+    return _started(request, "extractor")
 
 
 StoreDep = Annotated[Any, Depends(get_store)]

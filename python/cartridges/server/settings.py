@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..store import BLOB_URL_ENV, DATABASE_URL_ENV
 
@@ -97,6 +100,27 @@ class Settings(BaseModel):
     """On CPU with a GGUF's quantized weights, round activations to 8 bits as llama.cpp does
     (about 2x faster decode); false keeps float32 activations (transformers' results)."""
 
+    @field_validator("database_url")
+    @classmethod
+    def _database_url_parses(cls, url: str | None) -> str | None:
+        """A URL whose host or port cannot be read is refused here, with the rest of the settings,
+        rather than when the store opens (the password never appears in the message)."""
+        if url and not url.startswith("sqlite:"):
+            try:
+                urlsplit(url).port  # noqa: B018  (reading it checks it)
+            except ValueError as error:
+                raise ValueError(f"not a PostgreSQL URL postgresql://user:password@host:port/db ({error})") from None
+        return url
+
+    @field_validator("blob_url")
+    @classmethod
+    def _blob_url_parses(cls, url: str | None) -> str | None:
+        if url:
+            from cartridges.blobs import parse_blob_url, parse_directory_url
+
+            parse_directory_url(url) if url.startswith("file:") else parse_blob_url(url)
+        return url
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
         """Defaults, then CARTRIDGES_* variables, then the overrides that are not None.
@@ -120,5 +144,8 @@ def _described(error: ValidationError, names: Mapping[str, str]) -> str:
     """The first problem of a settings error, naming the variable (or setting) it came from."""
     problem = error.errors()[0]
     field = str(problem["loc"][0]) if problem["loc"] else ""
-    value = f", got {problem['input']!r}" if isinstance(problem.get("input"), (str, int, float)) else ""
-    return f"{names.get(field, field)}: {problem['msg']}{value}"
+    given = problem.get("input")
+    if isinstance(given, str):
+        given = re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", given)  # never a URL's password
+    value = f", got {given!r}" if isinstance(given, (str, int, float)) else ""
+    return f"{names.get(field, field)}: {problem['msg'].removeprefix('Value error, ')}{value}"

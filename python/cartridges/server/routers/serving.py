@@ -11,8 +11,8 @@ from starlette.concurrency import run_in_threadpool
 
 from cartridges import __version__
 from cartridges.server.serving_schemas import MAX_PRELOAD_IDS, Health, ModelList, ModelObject
-from cartridges.server.deps import (CurrentUser, MetricsDep, Principal, ServingDep, StoreDep, SupervisorDep, bearer_key,
-                                   principal_for_key)
+from cartridges.server.deps import (CurrentUser, MetricsDep, Principal, ServingDep, SettingsDep, StoreDep,
+                                   SupervisorDep, bearer_key, get_serving, get_store, principal_for_key)
 from cartridges.server.errors import APIError, error_responses
 from cartridges.server.metrics import CONTENT_TYPE, job_counts
 from cartridges.cores import cpu_cores
@@ -77,9 +77,14 @@ async def preload(
 
 @root.get("/health", tags=["service"], summary="Health", response_model=Health,
           responses={503: {"model": Health, "description": "Still starting, or the model could not be loaded."}})
-def health(request: Request, serving: ServingDep, store: StoreDep) -> JSONResponse:
+def health(request: Request, settings: SettingsDep) -> JSONResponse:
     """`healthy` (200) once the model is loaded and the engine runs, else `unhealthy` (503).
     No key needed; `loaded_cartridges` lists what the presented key may see (none without one)."""
+    try:
+        serving, store = get_serving(request), get_store(request)
+    except core().UnavailableError as error:  # the store could not be opened since start
+        body = Health(status="unhealthy", device=settings.device, loaded_cartridges=[], reason=str(error))
+        return JSONResponse(body.model_dump(), status_code=503)
     reason = None if serving.ready else serving.unready_reason
     principal = None
     try:
