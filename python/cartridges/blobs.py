@@ -205,6 +205,29 @@ class DirectoryBlobs(core().BlobMirror):  # type: ignore[misc]
         return _closing(_read(file, end - start), file)
 
 
+def evict_cache(blobs_dir: str | os.PathLike[str], budget_bytes: int) -> int:
+    """Removes local copies of blobs from `blobs_dir` (the data directory's blobs/, a cache when
+    a blob store holds every blob), those written or fetched longest ago first, until the rest
+    take at most `budget_bytes`; returns the bytes freed. A copy removed while it is read stays
+    readable to its reader (POSIX), and the next use fetches it again. Never for a data directory
+    without a blob store: its blobs/ holds the only copies."""
+    entries = []
+    for entry in os.scandir(blobs_dir):
+        if entry.is_file(follow_symlinks=False):
+            stat = entry.stat(follow_symlinks=False)
+            entries.append((stat.st_mtime, stat.st_size, entry.path))
+    total, freed = sum(size for _, size, _ in entries), 0
+    for _, size, path in sorted(entries):
+        if total - freed <= budget_bytes:
+            break
+        try:
+            os.unlink(path)
+            freed += size
+        except FileNotFoundError:
+            pass
+    return freed
+
+
 def _read(file: Any, remaining: int) -> Iterator[bytes]:
     while remaining > 0:
         chunk = file.read(min(READ_CHUNK, remaining))

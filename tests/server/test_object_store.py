@@ -6,6 +6,7 @@ trained through one and served by the other."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -119,7 +120,6 @@ def test_downloads_stream_out_of_the_blob_store_through_any_replica(
     """A replica without the blob streams it out of the blob store, whole or by Range, and
     keeps no copy; a bad Range is refused in OpenAI's shape, as for a local file."""
     import base64
-    import os
 
     env = {DATABASE_URL_ENV: postgres_url, BLOB_URL_ENV: shared_blob_url,
            **{k: v for k, v in os.environ.items() if k.startswith("AWS_")}}
@@ -213,3 +213,32 @@ def test_an_object_store_outage_is_a_503_and_unhealthy_until_it_is_back(tmp_path
             replica.stop()
     finally:
         s3.stop()
+
+
+def test_the_local_cache_stays_within_its_budget_oldest_copies_first(tmp_path: Path, shared_blob_url: str) -> None:
+    from cartridges.blobs import evict_cache, open_blob_mirror
+    from cartridges.jobs import Supervisor
+
+    mirror = open_blob_mirror(shared_blob_url)
+    store = open_store(tmp_path / "data", sync=False, blob_mirror=mirror)
+    owner = core().Owner(store.create_user("alice").id, False)
+    contents = [bytes([65 + i]) * 100_000 for i in range(3)]
+    ids = [_put(store, owner, content) for content in contents]
+    blobs = tmp_path / "data" / "blobs"
+    for path in (p for p in blobs.iterdir() if p.is_file()):  # written an hour apart, in order
+        os.utime(path, (0, 1_000_000 + 3600 * contents.index(path.read_bytes())))
+    assert evict_cache(blobs, 250_000) == 100_000
+    assert sorted(p.read_bytes()[:1] for p in blobs.iterdir() if p.is_file()) == [b"B", b"C"]  # A, the oldest, went
+    assert (blobs / "tmp").is_dir()
+    for file_id, content in zip(ids, contents):  # the evicted copy is fetched again on use
+        assert Path(store.file_content_path(owner, file_id)).read_bytes() == content
+
+    # The server's supervisor does it every minute, and only where a blob store holds the blobs.
+    Supervisor(store, store.data_dir, blob_mirror=mirror, blob_cache_bytes=0)._evict_blob_cache()
+    assert [p for p in blobs.iterdir() if p.is_file()] == []
+    plain = open_store(tmp_path / "plain", sync=False)
+    _put(plain, core().Owner(plain.create_user("bob").id, False), b"the only copy")
+    Supervisor(plain, plain.data_dir, blob_cache_bytes=0)._evict_blob_cache()
+    assert len([p for p in (tmp_path / "plain" / "blobs").iterdir() if p.is_file()]) == 1
+    plain.close()
+    store.close()

@@ -23,6 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--blob-url", metavar="URL",
                    help="where blobs live: s3://bucket/prefix, with the AWS_* variables, or file:///path, a "
                         "directory every replica mounts (CARTRIDGES_BLOB_URL; default: the data directory)")
+    p.add_argument("--blob-cache", type=float, metavar="MIB", dest="blob_cache_mib",
+                   help="with --blob-url, the most the local copies of blobs may take; the oldest go first "
+                        "(CARTRIDGES_BLOB_CACHE_MIB; default 10240)")
     p.add_argument("--model", help="base model: HF directory or GGUF file (CARTRIDGES_MODEL; default: embedded)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"],
                    help="where the model runs (CARTRIDGES_DEVICE; default auto: cuda when available)")
@@ -61,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = Settings.from_env(
             host=args.host, port=args.port, data_dir=args.data_dir, database_url=args.database_url,
-            blob_url=args.blob_url, model=args.model, device=args.device,
+            blob_url=args.blob_url, blob_cache_mib=args.blob_cache_mib, model=args.model, device=args.device,
             kv_tokens=args.kv_tokens, cartridge_memory_mib=args.cartridge_memory_mib,
             serve_threads=args.serve_threads, worker_threads=args.worker_threads, worker_gpus=args.worker_gpus,
             max_jobs=args.max_jobs,

@@ -40,6 +40,8 @@ POLL_S = 0.5
 NEXT_JOB_WINDOW = 16
 # How often the blob store's checkpoints of jobs that ended without a worker are looked for.
 CHECKPOINT_SWEEP_S = 300.0
+# How often the local cache of a blob store's blobs is brought within its budget.
+CACHE_EVICT_S = 60.0
 
 
 class WorkerHandle(Protocol):
@@ -70,12 +72,14 @@ class Supervisor:
                  worker_threads: int = 0, int8_activations: bool = True, poll_s: float = POLL_S,
                  store_env: Mapping[str, str] | None = None, backend: Literal["local", "ray"] = "local",
                  on_workers_changed: Callable[[int], None] | None = None, blob_mirror: Any = None,
-                 worker_gpus: float = 0.0) -> None:
+                 worker_gpus: float = 0.0, blob_cache_bytes: int | None = None) -> None:
         """`store_env`: the environment that makes a worker open the same store (store.store_env).
         `blob_mirror`: the store's blob store (cartridges.blobs), where jobs keep checkpoints too;
         the supervisor removes those of jobs that ended while no worker ran them.
         `worker_gpus`: the GPUs each Ray task asks for, on which it trains (the local backend's
         workers train on CPUs).
+        `blob_cache_bytes`: with a blob mirror, the most the local copies in data_dir/blobs may
+        take (cartridges.blobs.evict_cache, every CACHE_EVICT_S); None: no limit.
         `backend`: "local" runs each job in a worker process of this server, "ray" as a task on
         the Ray cluster of RAY_ADDRESS (ray_backend.py).
         `on_workers_changed(n)` is called from the supervisor thread whenever the number of
@@ -97,6 +101,8 @@ class Supervisor:
         self.on_workers_changed = on_workers_changed
         self._blob_mirror = blob_mirror
         self._swept_at = -CHECKPOINT_SWEEP_S
+        self._blob_cache_bytes = blob_cache_bytes if blob_mirror is not None else None
+        self._evicted_at = -CACHE_EVICT_S
         self._workers: dict[str, _Worker] = {}
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -141,6 +147,7 @@ class Supervisor:
                 self._stop_abandoned()
                 self._launch()
                 self._sweep_checkpoints()
+                self._evict_blob_cache()
                 if self.on_workers_changed is not None and len(self._workers) != reported:
                     reported = len(self._workers)
                     self.on_workers_changed(reported)
@@ -158,6 +165,16 @@ class Supervisor:
         removed = sweep(self._blob_mirror, self._store, self._core)
         if removed:
             log.info("removed the blob store's checkpoints of %d ended jobs", removed)
+
+    def _evict_blob_cache(self) -> None:
+        if self._blob_cache_bytes is None or time.monotonic() - self._evicted_at < CACHE_EVICT_S:
+            return
+        self._evicted_at = time.monotonic()
+        from ..blobs import evict_cache
+
+        freed = evict_cache(Path(self._data_dir) / "blobs", self._blob_cache_bytes)
+        if freed:
+            log.info("evicted %.1f MiB of local blob copies", freed / (1 << 20))
 
     def _record(self, run_id: str) -> Any | None:
         try:

@@ -63,7 +63,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                 int8_activations=settings.int8_activations,
                                 store_env=store_env(settings.database_url, settings.blob_url),
                                 backend=settings.job_backend, blob_mirror=mirror,
-                                worker_gpus=settings.worker_gpus)
+                                worker_gpus=settings.worker_gpus,
+                                blob_cache_bytes=int(settings.blob_cache_mib * (1 << 20)))
         app.state.serving = Serving(settings, store, worker_threads=supervisor.worker_threads,
                                     max_jobs=supervisor.max_jobs)
         supervisor.on_workers_changed = app.state.serving.training_jobs_changed

@@ -36,6 +36,7 @@ ENV_VARS = {
     "device": "CARTRIDGES_DEVICE",
     "kv_tokens": "CARTRIDGES_KV_TOKENS",
     "cartridge_memory_mib": "CARTRIDGES_CARTRIDGE_MEMORY_MIB",
+    "blob_cache_mib": "CARTRIDGES_BLOB_CACHE_MIB",
     "serve_threads": "CARTRIDGES_SERVE_THREADS",
     "default_max_tokens": "CARTRIDGES_DEFAULT_MAX_TOKENS",
     "int8_activations": "CARTRIDGES_INT8_ACTIVATIONS",
@@ -63,6 +64,10 @@ class Settings(BaseModel):
     an S3-compatible object store (AWS_ENDPOINT_URL and the other AWS_* variables); file:///path a
     directory every replica mounts (NFS, a shared volume). With either, data_dir/blobs is a local
     cache and downloads stream out of the blob store."""
+    blob_cache_mib: float = Field(10240, gt=0)
+    """With blob_url, the most the local copies in data_dir/blobs may take: every minute the
+    copies written or fetched longest ago are removed until the rest fit (a later use fetches
+    them again). Without blob_url it does nothing: data_dir/blobs then holds the only copies."""
     model: str | None = None
     """Base model: a Hugging Face directory or a GGUF file; None is the embedded default model."""
     max_upload_bytes: int = Field(MAX_UPLOAD_BYTES, ge=1)
