@@ -11,10 +11,15 @@ SOURCES := $(shell find cpp -type f) CMakeLists.txt pyproject.toml
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test test-cpp test-py build deps bench stubs clean
+.PHONY: serve try-topology test test-cpp test-py build deps bench stubs clean
 
 serve: build
 	$(VENV)/bin/cartridges serve --host $(HOST) --port $(PORT)
+
+# Two replicas with PostgreSQL, an S3 endpoint and a Ray cluster, all throwaway, on this machine
+# (docs/deployment.md); Ctrl-C stops and removes everything.
+try-topology: build
+	$(PY) tests/try_topology.py --port $(PORT)
 
 # One throwaway PostgreSQL server (tests/postgres_server.py) for both suites: the store's tests
 # run on SQLite and on it.
