@@ -76,8 +76,6 @@ def run_job(run_id: str, data_dir: str | os.PathLike[str], database_url: str = "
         # With a blob store the checkpoints live there too: a job another machine ran resumes.
         sync = CheckpointSync(mirror, run_id, scratch) if mirror is not None else None
         try:
-            if sync is not None:
-                _restore_checkpoints(sync)
             _train(store, owner, record, progress, cancel, sync)
         except HeldElsewhere:
             sync = None  # the claimant's checkpoints are not ours to touch
@@ -160,7 +158,8 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
             raise HeldElsewhere(run_id) from None  # another server's worker claimed it a moment ago
         raise
     progress.start()
-    if sync is not None:
+    if sync is not None:  # the job is ours: its checkpoints from wherever it ran last, then ours kept
+        _restore_checkpoints(sync)
         sync.start()
     scratch = Path(store.job_dir(owner, run_id))
 
