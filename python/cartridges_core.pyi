@@ -781,6 +781,10 @@ class Store:
         ...
     def begin_blob(self) -> BlobWriter:
         ...
+    def blob_recorded(self, blob_id: str) -> bool:
+        """
+        Whether a blob of this id is recorded; a blob mirror's object that is not is an orphan once old.
+        """
     def cancel_datablock(self, owner: Owner, datablock_id: str) -> DatablockRecord:
         ...
     def close(self) -> None:

@@ -128,10 +128,15 @@ class S3Blobs(core().BlobMirror):  # type: ignore[misc]
             raise
         self._checked_at = time.monotonic()
 
+    def listing(self, prefix: str) -> list[tuple[str, float]]:
+        """(name as given to upload, last modified in epoch seconds) of the objects under `prefix`."""
+        pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
+        return [(item["Key"][len(self.prefix):], item["LastModified"].timestamp())
+                for page in pages for item in page.get("Contents", [])]
+
     def names(self, prefix: str) -> list[str]:
         """The names (as given to upload) of the objects under `prefix`."""
-        pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
-        return [item["Key"][len(self.prefix):] for page in pages for item in page.get("Contents", [])]
+        return [name for name, _ in self.listing(prefix)]
 
     def read_range(self, blob_id: str, start: int, end: int) -> Iterator[bytes]:
         """Bytes [start, end) of a blob, in chunks as they arrive. The request is made before the
@@ -187,13 +192,18 @@ class DirectoryBlobs(core().BlobMirror):  # type: ignore[misc]
         if not (self.directory.is_dir() and os.access(self.directory, os.W_OK | os.X_OK)):
             raise OSError(f"{self.directory} is not a writable directory")
 
-    def names(self, prefix: str) -> list[str]:
-        """The names (as given to upload) of the files under `prefix`."""
+    def listing(self, prefix: str) -> list[tuple[str, float]]:
+        """(name as given to upload, modification time) of the files under `prefix`."""
         folder = self.directory / prefix.rsplit("/", 1)[0] if "/" in prefix else self.directory
         if not folder.is_dir():
             return []
-        found = (p.relative_to(self.directory).as_posix() for p in folder.rglob("*") if p.is_file())
-        return sorted(n for n in found if n.startswith(prefix) and not n.rsplit("/", 1)[-1].startswith(".upload-"))
+        found = ((p.relative_to(self.directory).as_posix(), p) for p in folder.rglob("*") if p.is_file())
+        return sorted((name, path.stat().st_mtime) for name, path in found
+                      if name.startswith(prefix) and not name.rsplit("/", 1)[-1].startswith(".upload-"))
+
+    def names(self, prefix: str) -> list[str]:
+        """The names (as given to upload) of the files under `prefix`."""
+        return [name for name, _ in self.listing(prefix)]
 
     def read_range(self, blob_id: str, start: int, end: int) -> Iterator[bytes]:
         """Bytes [start, end) of a blob, in chunks (UnavailableError when it cannot be opened)."""
@@ -203,6 +213,24 @@ class DirectoryBlobs(core().BlobMirror):  # type: ignore[misc]
         except OSError as error:
             raise unavailable(error) from None
         return _closing(_read(file, end - start), file)
+
+
+# An object younger than this may be an upload whose record is being written: never an orphan.
+ORPHAN_AGE_S = 3600.0
+
+
+def sweep_orphans(mirror: Any, store: Any, min_age_s: float = ORPHAN_AGE_S) -> int:
+    """Removes the blob store's objects that no record names and that are older than
+    `min_age_s`: uploads whose server died before recording them (a blob is uploaded before it
+    is recorded). Jobs' checkpoints (names with a folder) are not blobs and are left alone.
+    Returns how many were removed."""
+    now, removed = time.time(), 0
+    for name, modified in mirror.listing(""):
+        if "/" in name or now - modified < min_age_s or store.blob_recorded(name):
+            continue
+        mirror.remove(name)
+        removed += 1
+    return removed
 
 
 def evict_cache(blobs_dir: str | os.PathLike[str], budget_bytes: int) -> int:

@@ -242,3 +242,24 @@ def test_the_local_cache_stays_within_its_budget_oldest_copies_first(tmp_path: P
     assert len([p for p in (tmp_path / "plain" / "blobs").iterdir() if p.is_file()]) == 1
     plain.close()
     store.close()
+
+
+def test_objects_that_no_record_names_are_swept_once_old(tmp_path: Path, shared_blob_url: str) -> None:
+    """An upload whose server died before recording it leaves an object no record names: the
+    sweep removes it once it is older than any upload in flight, and nothing else."""
+    from cartridges.blobs import open_blob_mirror, sweep_orphans
+
+    mirror = open_blob_mirror(shared_blob_url)
+    store = open_store(tmp_path / "data", sync=False, blob_mirror=mirror)
+    owner = core().Owner(store.create_user("alice").id, False)
+    file_id = _put(store, owner, b"recorded")
+    recorded = mirror.names("")
+    (tmp_path / "orphan").write_bytes(b"uploaded, never recorded")
+    mirror.upload("0123456789abcdef0123456789abcdef", str(tmp_path / "orphan"))
+    mirror.upload("jobs/run1/train.ckpt", str(tmp_path / "orphan"))  # a job's checkpoint, not a blob
+    assert sweep_orphans(mirror, store) == 0  # too young: it may be an upload being recorded
+    assert sweep_orphans(mirror, store, min_age_s=0) == 1
+    assert sorted(mirror.names("")) == sorted([*recorded, "jobs/run1/train.ckpt"])
+    assert store.blob_recorded(recorded[0]) and not store.blob_recorded("0123456789abcdef0123456789abcdef")
+    assert Path(store.file_content_path(owner, file_id)).read_bytes() == b"recorded"
+    store.close()

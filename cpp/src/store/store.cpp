@@ -207,6 +207,13 @@ std::optional<User> Store::find_user(const std::string& name) {
   return User{s.int64(0), s.text(1), s.int64(2)};
 }
 
+bool Store::blob_recorded(const std::string& blob_id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Stmt s(db(), "SELECT 1 FROM blobs WHERE id = ?1");
+  s.bind(1, blob_id);
+  return s.step();
+}
+
 std::vector<User> Store::list_users() {
   std::lock_guard<std::mutex> lock(mutex_);
   Stmt s(db(), "SELECT id, name, created_at FROM users ORDER BY id");

@@ -38,8 +38,9 @@ POLL_S = 0.5
 # Live jobs looked at per status when choosing the next one (those another server's worker
 # holds are passed over).
 NEXT_JOB_WINDOW = 16
-# How often the blob store's checkpoints of jobs that ended without a worker are looked for.
-CHECKPOINT_SWEEP_S = 300.0
+# How often the blob store is swept: checkpoints of jobs that ended without a worker, and objects
+# no record names (uploads whose server died before recording them).
+BLOB_STORE_SWEEP_S = 300.0
 # How often the local cache of a blob store's blobs is brought within its budget.
 CACHE_EVICT_S = 60.0
 
@@ -75,7 +76,8 @@ class Supervisor:
                  worker_gpus: float = 0.0, blob_cache_bytes: int | None = None) -> None:
         """`store_env`: the environment that makes a worker open the same store (store.store_env).
         `blob_mirror`: the store's blob store (cartridges.blobs), where jobs keep checkpoints too;
-        the supervisor removes those of jobs that ended while no worker ran them.
+        the supervisor removes those of jobs that ended while no worker ran them, and the objects
+        that no record names.
         `worker_gpus`: the GPUs each Ray task asks for, on which it trains (the local backend's
         workers train on CPUs).
         `blob_cache_bytes`: with a blob mirror, the most the local copies in data_dir/blobs may
@@ -100,7 +102,7 @@ class Supervisor:
         self._poll_s = poll_s
         self.on_workers_changed = on_workers_changed
         self._blob_mirror = blob_mirror
-        self._swept_at = -CHECKPOINT_SWEEP_S
+        self._swept_at = -BLOB_STORE_SWEEP_S
         self._blob_cache_bytes = blob_cache_bytes if blob_mirror is not None else None
         self._evicted_at = -CACHE_EVICT_S
         self._workers: dict[str, _Worker] = {}
@@ -146,7 +148,7 @@ class Supervisor:
                 self._reap()
                 self._stop_abandoned()
                 self._launch()
-                self._sweep_checkpoints()
+                self._sweep_blob_store()
                 self._evict_blob_cache()
                 if self.on_workers_changed is not None and len(self._workers) != reported:
                     reported = len(self._workers)
@@ -156,15 +158,19 @@ class Supervisor:
             self._wake.wait(self._poll_s)
             self._wake.clear()
 
-    def _sweep_checkpoints(self) -> None:
-        if self._blob_mirror is None or time.monotonic() - self._swept_at < CHECKPOINT_SWEEP_S:
+    def _sweep_blob_store(self) -> None:
+        if self._blob_mirror is None or time.monotonic() - self._swept_at < BLOB_STORE_SWEEP_S:
             return
         self._swept_at = time.monotonic()
+        from ..blobs import sweep_orphans
         from .checkpoints import sweep
 
         removed = sweep(self._blob_mirror, self._store, self._core)
         if removed:
             log.info("removed the blob store's checkpoints of %d ended jobs", removed)
+        orphans = sweep_orphans(self._blob_mirror, self._store)
+        if orphans:
+            log.info("removed %d objects of the blob store that no record names", orphans)
 
     def _evict_blob_cache(self) -> None:
         if self._blob_cache_bytes is None or time.monotonic() - self._evicted_at < CACHE_EVICT_S:
