@@ -13,7 +13,7 @@ Backends, measured one after the other in the same run:
   shared  records in PostgreSQL and blobs in S3 (docs/deployment.md): a throwaway PostgreSQL
           server and moto's S3 server on loopback (tests/postgres_server.py, tests/s3_server.py).
           Uploads go through one replica; downloads through a second replica with its own data
-          directory, so each download is fetched from the object store first.
+          directory, which streams each one out of the object store.
 """
 
 from __future__ import annotations
