@@ -34,7 +34,7 @@ from cartridges.models.tokenizer import common_prefix_len
 from cartridges.selfstudy import Corpus, TrainConfig
 from cartridges.selfstudy.config import describe, field_aliases
 from cartridges.selfstudy.prompts import SYSTEM_PROMPT
-from cartridges.training import resolved_training_dtype
+from cartridges.training import decided_config
 
 # TrainConfig fields that change training but not synthesis.
 TRAINING_ONLY_FIELDS = {"learning_rate", "anchor", "epochs", "batch_size", "grad_accum", "cosine", "warmup", "layer_scaled_lr",
@@ -311,10 +311,7 @@ def for_text(model, text: str, config: TrainConfig) -> TrainConfig:
     """`config` with what it leaves to the document (cartridge length, conversations, epochs,
     the dtype trained in) decided as training decides it, so that the baselines and the caches
     see the same run: a config that decides to one trained before reuses its cartridge."""
-    config = config.for_corpus(len(Corpus.from_texts(model.tokenizer, [text])))
-    if config.objective == "compact":
-        return config
-    return config.replace(training_dtype=resolved_training_dtype(native_model(model), config.training_dtype))
+    return decided_config(config, len(Corpus.from_texts(model.tokenizer, [text])), native_model(model))
 
 
 def get_cartridge(model, name: str, text: str, config: TrainConfig, directory: Path) -> tuple[Cartridge, dict]:

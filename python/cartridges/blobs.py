@@ -13,6 +13,7 @@ through memory whole.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -84,48 +85,41 @@ class S3Blobs(core().BlobMirror):  # type: ignore[misc]
     def _key(self, blob_id: str) -> str:
         return self.prefix + blob_id
 
-    def _failed(self) -> None:
+    @contextlib.contextmanager
+    def _recheck_on_failure(self) -> Iterator[None]:
         """Any failure makes the next check() ask the bucket again."""
-        self._checked_at = -CHECK_TTL_S
+        try:
+            yield
+        except Exception:
+            self._checked_at = -CHECK_TTL_S
+            raise
 
     def upload(self, blob_id: str, local_path: str) -> None:
-        try:
+        with self._recheck_on_failure():
             self._client.upload_file(local_path, self.bucket, self._key(blob_id), Config=self._transfer)
-        except Exception:
-            self._failed()
-            raise
 
     def download(self, blob_id: str, local_path: str) -> bool:
         from botocore.exceptions import ClientError
 
         try:
-            self._client.download_file(self.bucket, self._key(blob_id), local_path, Config=self._transfer)
+            with self._recheck_on_failure():
+                self._client.download_file(self.bucket, self._key(blob_id), local_path, Config=self._transfer)
         except ClientError as error:
             if error.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return False
-            self._failed()
-            raise
-        except Exception:
-            self._failed()
             raise
         return True
 
     def remove(self, blob_id: str) -> None:
-        try:
+        with self._recheck_on_failure():
             self._client.delete_object(Bucket=self.bucket, Key=self._key(blob_id))
-        except Exception:
-            self._failed()
-            raise
 
     def check(self) -> None:
         # /health asks on every call: a bucket that answered within CHECK_TTL_S is not asked again.
         if time.monotonic() - self._checked_at < CHECK_TTL_S:
             return
-        try:
+        with self._recheck_on_failure():
             self._client.head_bucket(Bucket=self.bucket)
-        except Exception:
-            self._failed()
-            raise
         self._checked_at = time.monotonic()
 
     def listing(self, prefix: str) -> list[tuple[str, float]]:
@@ -143,10 +137,10 @@ class S3Blobs(core().BlobMirror):  # type: ignore[misc]
         first chunk is asked for, so that an unreachable store fails the call (UnavailableError)
         rather than a response already under way."""
         try:
-            body = self._client.get_object(Bucket=self.bucket, Key=self._key(blob_id),
-                                           Range=f"bytes={start}-{end - 1}")["Body"]
+            with self._recheck_on_failure():
+                body = self._client.get_object(Bucket=self.bucket, Key=self._key(blob_id),
+                                               Range=f"bytes={start}-{end - 1}")["Body"]
         except Exception as error:
-            self._failed()
             raise unavailable(error) from None
         return _closing(body.iter_chunks(READ_CHUNK), body)
 
@@ -174,6 +168,7 @@ class DirectoryBlobs(core().BlobMirror):  # type: ignore[misc]
                 copy.flush()
                 os.fsync(copy.fileno())
             os.replace(tmp, target)
+            _fsync_directory(target.parent)  # the rename too is durable before the blob is recorded
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
@@ -254,6 +249,14 @@ def evict_cache(blobs_dir: str | os.PathLike[str], budget_bytes: int) -> int:
         except FileNotFoundError:
             pass
     return freed
+
+
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _read(file: Any, remaining: int) -> Iterator[bytes]:

@@ -209,6 +209,15 @@ def resolved_training_dtype(native: cartridges_core.LlamaModel, training_dtype: 
     return "bfloat16" if native.dtype == "float32" and multiplies_bfloat16_natively(native.device) else "model"
 
 
+def decided_config(config: TrainConfig, corpus_tokens: int, native: cartridges_core.LlamaModel) -> TrainConfig:
+    """`config` with everything it leaves open decided, as training records it: what depends on
+    the corpus (`TrainConfig.for_corpus`) and, for a run that trains, the dtype it trains in."""
+    config = config.for_corpus(corpus_tokens)
+    if config.objective == "compact":  # no training
+        return config
+    return config.replace(training_dtype=resolved_training_dtype(native, config.training_dtype))
+
+
 def training_twin(native: cartridges_core.LlamaModel, training_dtype: str) -> cartridges_core.LlamaModel:
     """The model the training passes run on: `native` itself ("model", or its own dtype), or its
     twin with the weights in `training_dtype` ("auto" decided by `resolved_training_dtype`)."""
@@ -320,10 +329,9 @@ def train(
     else:
         corpus = Corpus.from_texts(model.tokenizer, [texts] if isinstance(texts, str) else texts)
     # The cartridge records what was decided: the number of conversations made, the dtype trained in.
-    config = config.for_corpus(len(corpus))
+    config = decided_config(config, len(corpus), native)
     if config.objective == "compact":
         return _compacted(model, corpus, config)
-    config = config.replace(training_dtype=resolved_training_dtype(native, config.training_dtype))
     bar = _Bar(progress, on_progress)
     quality = None
     signal = parts = None  # unknown for data made elsewhere

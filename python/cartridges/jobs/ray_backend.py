@@ -55,9 +55,8 @@ class RayTask:
 
         # Asks for `threads` CPUs and `gpus` GPUs; Ray shows the task only the GPUs it was given
         # (CUDA_VISIBLE_DEVICES), so the worker's model goes to CUDA exactly when it has one.
-        self.options = dict(name=TASK_NAME, num_cpus=threads, num_gpus=gpus, max_retries=max_attempts - 1,
-                            retry_exceptions=False)
-        remote = ray.remote(run_training_job).options(**self.options)
+        remote = ray.remote(run_training_job).options(
+            name=TASK_NAME, num_cpus=threads, num_gpus=gpus, max_retries=max_attempts - 1, retry_exceptions=False)
         self._ref: Any = remote.remote(run_id, data_dir, dict(env), threads)
         self._code: int | None = None
 

@@ -132,7 +132,7 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
     from ..selfstudy import Corpus
     from ..selfstudy.config import TrainConfig
     from ..cartridge import native_model
-    from ..training import TrainingCancelled, resolved_training_dtype, train
+    from ..training import TrainingCancelled, decided_config, train
 
     run_id = record.run_id
     config = TrainConfig.from_dict(json.loads(record.config))
@@ -142,11 +142,11 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
     model = _load_model(record.model_path)
     if record.fingerprint and record.fingerprint != model.fingerprint:
         raise JobFailed("interrupted", "the server's base model changed since this job started; it cannot resume")
-    # The corpus is tokenized once, here. What the config leaves to it (the cartridge's length,
-    # the number of conversations) is decided once, here, and the datablock shows it from now on.
+    # The corpus is tokenized once, here. What the config leaves open (the cartridge's length,
+    # the number of conversations, the dtype trained in) is decided once, here, and the datablock
+    # shows it from now on.
     corpus = Corpus.from_texts(model.tokenizer, texts)
-    config = config.for_corpus(len(corpus))
-    config = config.replace(training_dtype=resolved_training_dtype(native_model(model), config.training_dtype))
+    config = decided_config(config, len(corpus), native_model(model))
     from ..store import core
     from .progress import LEASE_S
 

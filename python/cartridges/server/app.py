@@ -45,17 +45,21 @@ Every resource answers under both `/api/v1` and `/v1`."""
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings.from_env()
 
-    def open_app_store(mirror: Any) -> Any:
-        return open_store(settings.data_dir, sync=settings.store_sync, database_url=settings.database_url,
-                          blob_mirror=mirror)
+    def open_app_store(mirror: Any) -> tuple[Any, int]:
+        """The store opened, with the first API key and the admin user made, and the admin's id;
+        UnavailableError, with nothing left open, while its database or blob store is away."""
+        store = open_store(settings.data_dir, sync=settings.store_sync, database_url=settings.database_url,
+                           blob_mirror=mirror)
+        try:
+            keys.bootstrap(store, settings.api_key)
+            admin = keys.find_or_create_user(store, keys.ADMIN_USER) if settings.admin_key else None
+        except BaseException:
+            store.close()
+            raise
+        return store, admin.id if admin else 0
 
     async def start_services(app: FastAPI, store: Any, mirror: Any) -> None:
-        """What needs the store: keys, the text extractor, the supervisor and the engine."""
-        keys.bootstrap(store, settings.api_key)
-        admin = None
-        if settings.admin_key:
-            admin = keys.find_or_create_user(store, keys.ADMIN_USER)
-        app.state.admin_user_id = admin.id if admin else 0
+        """What needs the store: the text extractor, the supervisor and the engine."""
         app.state.extractor = Extractor(store, core().Owner(0, True))
         await app.state.extractor.start()
         supervisor = Supervisor(store, settings.data_dir, max_jobs=settings.max_jobs,
@@ -73,38 +77,46 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         supervisor.start()
         app.state.store = store  # from here on the routes find everything they need
 
+    async def open_and_start(app: FastAPI, mirror: Any) -> bool:
+        """Opens the store and starts what needs it; False, with the reason in
+        app.state.store_unavailable, while its database or blob store cannot be reached."""
+        try:
+            store, app.state.admin_user_id = await run_in_threadpool(open_app_store, mirror)
+        except core().UnavailableError as error:
+            app.state.store_unavailable = str(error)
+            return False
+        app.state.store_unavailable = None
+        try:
+            await start_services(app, store, mirror)
+        except BaseException:
+            if app.state.store is None:
+                store.close()
+            raise
+        return True
+
     async def open_when_reachable(app: FastAPI, mirror: Any) -> None:
-        """The store opened as soon as its database and blob store answer; until then every
-        call needing it is a 503 and /health says why."""
+        """Tries again every STORE_RETRY_S until the store opens; until then every call needing
+        it is a 503 and /health says why."""
         while True:
             await asyncio.sleep(STORE_RETRY_S)
             try:
-                store = await run_in_threadpool(open_app_store, mirror)
-            except core().UnavailableError as error:
-                app.state.store_unavailable = str(error)
-                continue
-            log.warning("the store is reachable: starting")
-            app.state.store_unavailable = None
-            await start_services(app, store, mirror)
-            return
+                if await open_and_start(app, mirror):
+                    log.warning("the store is reachable: started")
+                    return
+            except Exception as error:  # not an outage (a damaged database...): /health says it
+                log.exception("the store could not be started")
+                app.state.store_unavailable = f"the store could not be started: {error}"
+                return
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         mirror = open_blob_mirror(settings.blob_url)  # downloads stream out of it
         app.state.blob_mirror = mirror
         opener = None
-        try:
-            store = await run_in_threadpool(open_app_store, mirror)
-        except core().UnavailableError as error:
-            log.error("%s; retrying every %d s, /health answers unhealthy meanwhile", error, STORE_RETRY_S)
-            app.state.store_unavailable = str(error)
+        if not await open_and_start(app, mirror):
+            log.error("%s; retrying every %d s, /health answers unhealthy meanwhile", app.state.store_unavailable,
+                      STORE_RETRY_S)
             opener = asyncio.create_task(open_when_reachable(app, mirror))
-        else:
-            try:
-                await start_services(app, store, mirror)
-            except BaseException:
-                store.close()
-                raise
         try:
             yield
         finally:
@@ -125,6 +137,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     # Filled by the lifespan once the store opens (at start, or later when its services come back).
     app.state.store = app.state.serving = app.state.supervisor = app.state.extractor = None
+    app.state.admin_user_id = 0
     app.state.store_unavailable = None  # why the store could not be opened yet
     app.state.metrics = Metrics()
     app.state.metrics.attach(app)
