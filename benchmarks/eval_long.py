@@ -35,6 +35,7 @@ import torch
 
 import cartridges
 from cartridges.cartridge import Cartridge
+from cartridges.retrieval import CHUNK_TOKENS as RETRIEVAL_CHUNK_TOKENS, TOP_K as RETRIEVAL_TOP_K, Retriever, passages_prompt
 from cartridges.selfstudy import Corpus, TrainConfig
 from cartridges.training import init_params
 from evaluation import (Condition, Question, add_recovered, cached_result, check_question, document_prompt, evaluate,
@@ -47,8 +48,6 @@ DEFAULT_TUNE = ("atlas", "chronicle")  # the rulebook and the almanac are held o
 KINDS = ("literal", "numeric", "paraphrase", "yes_no", "multi_hop")
 CONDITIONS = ("none", "truncation", "retrieval", "oracle", "init", "cartridge", "cartridge+retrieval")
 PLOTTED = ("none", "truncation", "retrieval", "oracle", "cartridge", "cartridge+retrieval")
-RETRIEVAL_CHUNK_TOKENS = 300
-RETRIEVAL_TOP_K = 4
 SECTION_HEADING = re.compile(r"^## (\d+)\. ", re.MULTILINE)
 
 
@@ -111,39 +110,10 @@ def check_docs(model, names: list[str]) -> int:
 
 # -- what a user would build instead --------------------------------------------------------
 
-def retrieval_chunks(model, text: str, chunk_tokens: int = RETRIEVAL_CHUNK_TOKENS) -> list[str]:
-    """The corpus cut into chunks of about `chunk_tokens` tokens at paragraph boundaries (a
-    paragraph longer than that is cut by tokens), as a user's text splitter would."""
-    chunks: list[str] = []
-    current: list[str] = []
-    size = 0
-    for paragraph in (p.strip() for p in re.split(r"\n\s*\n", text)):
-        if not paragraph:
-            continue
-        ids = model.tokenizer.encode(paragraph)
-        pieces = [paragraph] if len(ids) <= chunk_tokens else [
-            model.tokenizer.decode(ids[i:i + chunk_tokens]) for i in range(0, len(ids), chunk_tokens)]
-        for piece in pieces:
-            n = len(model.tokenizer.encode(piece))
-            if current and size + n > chunk_tokens:
-                chunks.append("\n\n".join(current))
-                current, size = [], 0
-            current.append(piece)
-            size += n
-    if current:
-        chunks.append("\n\n".join(current))
-    return chunks
-
-
-def retrieve(chunks: list[str], questions: list[Question], k: int = RETRIEVAL_TOP_K) -> list[str]:
-    """Per question, its top-k chunks by BM25 (bm25s, English stop words), best first, joined."""
-    import bm25s
-
-    retriever = bm25s.BM25()
-    retriever.index(bm25s.tokenize(chunks, stopwords="en", show_progress=False), show_progress=False)
-    ids, _ = retriever.retrieve(bm25s.tokenize([q.question for q in questions], stopwords="en", show_progress=False),
-                                k=min(k, len(chunks)), show_progress=False)
-    return ["\n\n".join(chunks[int(i)] for i in row) for row in ids]
+def retrieve(model, text: str, questions: list[Question], k: int = RETRIEVAL_TOP_K) -> list[list[str]]:
+    """Per question, its top-k chunks of ~300 tokens by BM25, best first: the server's
+    `retrieval` mode (cartridges.retrieval), which is also the baseline a user would build."""
+    return Retriever.from_texts(model.tokenizer, [text]).search_many([q.question for q in questions], k)
 
 
 def truncation_budget(model, questions: list[Question], max_reply: int) -> int:
@@ -189,13 +159,13 @@ def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split
     config = for_text(model, doc.text, config)
     corpus_tokens = len(Corpus.from_texts(model.tokenizer, [doc.text]))
     cut, cut_tokens = truncated_document(model, doc.text, truncation_budget(model, questions, args.max_reply))
-    retrieved = retrieve(retrieval_chunks(model, doc.text), questions)
+    retrieved = retrieve(model, doc.text, questions)
     init = Cartridge.from_params(init_params(model, Corpus.from_texts(model.tokenizer, [doc.text]), config),
                                  model.fingerprint, config.to_dict())
     runs = {
         "none": lambda: evaluate(model, questions, Condition(), args.max_reply),
         "truncation": lambda: evaluate(model, questions, Condition(system=document_prompt(cut)), args.max_reply),
-        "retrieval": lambda: evaluate_each(model, questions, [Condition(system=document_prompt(r)) for r in retrieved],
+        "retrieval": lambda: evaluate_each(model, questions, [Condition(system=passages_prompt(r)) for r in retrieved],
                                            args.max_reply),
         "oracle": lambda: evaluate_each(
             model, questions, [Condition(system=document_prompt(doc.section_text(q.sections))) for q in questions],
@@ -209,7 +179,7 @@ def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split
         prefix = cart.prefix(model)
         runs["cartridge"] = lambda: evaluate(model, questions, Condition(prefixes=(prefix,)), args.max_reply)
         runs["cartridge+retrieval"] = lambda: evaluate_each(
-            model, questions, [Condition(system=document_prompt(r), prefixes=(prefix,)) for r in retrieved],
+            model, questions, [Condition(system=passages_prompt(r), prefixes=(prefix,)) for r in retrieved],
             args.max_reply)
     results, sections = {}, {}
     for name, run in runs.items():

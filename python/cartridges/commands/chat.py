@@ -37,6 +37,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="how several cartridges are composed: mixture (each reads the conversation on its own "
                         "and the one that explains it best speaks; the default) or concatenate (their KV one "
                         "after another, in order)")
+    parser.add_argument("--retrieval", metavar="K", type=int, nargs="?", const=4, default=None,
+                        help="with --server: also put in the prompt the K passages (default 4) of the cartridges' "
+                        "training files that best match each message (BM25), behind the cartridges; worth it on "
+                        "corpora beyond the model's context, for literal detail")
     parser.add_argument("--server", metavar="URL",
                         help="chat with a running server (e.g. http://127.0.0.1:8000) instead of a local model")
     parser.add_argument("--api-key", metavar="KEY",
@@ -60,9 +64,10 @@ class FatalError(Exception):
 def run(args: argparse.Namespace) -> int:
     if args.server:
         return _run_server(args)
-    if args.api_key:
-        print("error: --api-key is for --server", file=sys.stderr)
-        return 2
+    for given, name in ((args.api_key, "--api-key"), (args.retrieval is not None, "--retrieval")):
+        if given:
+            print(f"error: {name} is for --server", file=sys.stderr)
+            return 2
     model = load_model_or_report(args.model)
     if model is None:
         return 1
@@ -146,8 +151,13 @@ def _run_server(args: argparse.Namespace) -> int:
                                "top_p": args.top_p}
     if args.seed is not None:
         options["seed"] = args.seed
+    extra: dict[str, Any] = {}
     if args.cartridge:
-        options["extra_body"] = {"cartridges": list(args.cartridge), "composition": args.composition}
+        extra.update(cartridges=list(args.cartridge), composition=args.composition)
+    if args.retrieval is not None:
+        extra["retrieval"] = {"top_k": args.retrieval}
+    if extra:
+        options["extra_body"] = extra
 
     def reply(messages: list[dict[str, Any]]) -> Iterator[str]:
         import openai

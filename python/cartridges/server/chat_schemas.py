@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
@@ -18,6 +18,7 @@ MAX_STOP_SEQUENCES = 4
 MAX_CHOICES = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_PASSAGES = 16  # retrieved passages of ~300 tokens: 4,800 tokens of an 8,192-token context
 
 # OpenAI request fields for features this server does not have: a request that sets one (to
 # anything but null, or the value that asks for nothing) is refused, naming the field.
@@ -58,6 +59,12 @@ class CartridgeRef(BaseModel):
     id: str
 
 
+class RetrievalOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    top_k: int = Field(default=4, ge=1, le=MAX_PASSAGES, description="At most this many passages in the prompt.")
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -79,6 +86,11 @@ class ChatCompletionRequest(BaseModel):
         "document's questions keep their single-cartridge quality; costs one sequence per cartridge). "
         "`concatenate`: their KV one after another in front of one sequence, in order (cheaper, but trained "
         "cartridges pull every question to themselves).")
+    retrieval: StrictBool | RetrievalOptions | None = Field(
+        default=None, description="Extension: `true` (or `{top_k}`, default 4) also puts in the prompt the passages "
+        "of the cartridges' own training files that best match the last user message (BM25 over chunks of about "
+        "300 tokens), as a system message behind the cartridges: the cartridge for what the corpus says as a "
+        "whole, the passages for its literal detail. Needs a cartridge.")
     max_tokens: int | None = Field(default=None, ge=1, description="Deprecated alias of max_completion_tokens.")
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)

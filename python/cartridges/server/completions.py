@@ -18,7 +18,8 @@ from fastapi.sse import format_sse_event
 
 from cartridges.engine import COMPOSITIONS, ContextLengthError, EngineBusyError, EngineStoppedError
 from cartridges.stream import Delta, GenerationError, Stream, TokenLogprob, choice_seeds
-from cartridges.server.chat_schemas import ChatCompletionRequest, FilePart
+from cartridges.retrieval import passages_prompt
+from cartridges.server.chat_schemas import ChatCompletionRequest, FilePart, RetrievalOptions
 from cartridges.server.principal import Principal
 from cartridges.server.errors import APIError
 from cartridges.server.serving import CartridgeUnavailable, Serving
@@ -48,21 +49,25 @@ class Plan:
 def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> Plan:
     """Resolves cartridges and files, renders the prompt, checks the context. Blocking."""
     model, _ = serving.require_ready()
-    prefixes, cartridge_tokens = [], 0
+    records, prefixes, cartridge_tokens = [], [], 0
     ids: list[tuple[str, str]] = []
     if body.model != serving.model_id:
         ids.append((body.model, "model"))
     ids += [(c if isinstance(c, str) else c.id, "cartridges") for c in body.cartridges or []]
     for identifier, param in ids:
         try:
-            prefix = serving.cartridge(user, identifier, param=param)
+            record, prefix = serving.cartridge(user, identifier, param=param)
         except CartridgeUnavailable as unavailable:
             raise unavailable.error from None
+        records.append(record)
         prefixes.append(prefix)
         cartridge_tokens += prefix.num_tokens
 
     messages = [{"role": "system" if m.role == "developer" else m.role,
                  "content": _content(serving, user, m.content, i)} for i, m in enumerate(body.messages)]
+    if body.retrieval:
+        top_k = body.retrieval.top_k if isinstance(body.retrieval, RetrievalOptions) else RetrievalOptions().top_k
+        messages = _with_passages(serving, user, records, messages, top_k)
     try:
         prompt = model.encode_chat(messages)
         weigh_from = model.conversation_start(messages, prompt)
@@ -99,6 +104,24 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
                   "top_p": 1.0 if body.top_p is None else body.top_p},
         logit_bias=logit_bias,
     )
+
+
+def _with_passages(serving: Serving, user: Principal, records: list[Any], messages: list[dict[str, str]],
+                   top_k: int) -> list[dict[str, str]]:
+    """The messages with the passages that best match the last user message in a system message
+    in front (a system message of the caller's follows them in the same message)."""
+    if not records:
+        raise APIError(400, "`retrieval` searches the training files of the request's cartridges, and it names "
+                       "none: give a cartridge as `model` or in `cartridges`, or leave out `retrieval`.",
+                       code="invalid_value", param="retrieval")
+    query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+    passages = serving.passages.search(user, records, serving.model.tokenizer, query, top_k) if query.strip() else []
+    if not passages:
+        return messages
+    system = passages_prompt(passages)
+    if messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{system}\n\n{messages[0]['content']}"}, *messages[1:]]
+    return [{"role": "system", "content": system}, *messages]
 
 
 def _content(serving: Serving, user: Principal, content: Any, index: int) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 from cartridges.cores import cpu_cores
 from cartridges.models.default import base_model_id
+from cartridges.server.passages import Passages
 from cartridges.server.principal import Principal
 from cartridges.server.errors import APIError
 from cartridges.server.settings import Settings
@@ -66,6 +67,7 @@ class Serving:
         self._loaded: dict[str, LoadedCartridge] = {}
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}  # one load at a time per cartridge
+        self.passages = Passages(store)  # retrieval in chat, over the cartridges' training files
         self._thread = threading.Thread(target=self._load_model, name="cartridges-model-load", daemon=True)
 
     # -- model and engine ------------------------------------------------------------------
@@ -134,9 +136,9 @@ class Serving:
 
     # -- cartridges ------------------------------------------------------------------------
 
-    def cartridge(self, principal: Principal, identifier: str, *, param: str) -> Any:
-        """The KV prefix of the caller's cartridge (full or bare run id), loaded if needed.
-        Blocking: call from a worker thread. Raises CartridgeUnavailable."""
+    def cartridge(self, principal: Principal, identifier: str, *, param: str) -> tuple[Any, Any]:
+        """The caller's cartridge (full or bare run id): its datablock record and its KV prefix,
+        loaded if needed. Blocking: call from a worker thread. Raises CartridgeUnavailable."""
         model, engine = self.require_ready()
         record = self._record(principal, identifier, param)
         prefix = engine.cartridges.get(record.id)
@@ -147,7 +149,7 @@ class Serving:
                 prefix = engine.cartridges.get(record.id)
                 if prefix is None:
                     prefix = self._load(principal, record, model, engine, param)
-        return prefix
+        return record, prefix
 
     def _record(self, principal: Principal, identifier: str, param: str) -> Any:
         c = core()

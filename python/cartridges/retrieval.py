@@ -1,0 +1,84 @@
+"""Retrieval beside a cartridge: BM25 over the corpus' passages, the best ones in the prompt.
+
+A cartridge holds what a corpus says as a whole; retrieval brings its literal detail. On the
+long-corpus suite the two together give more exact answers than either alone (docs/experiments.md,
+"Long corpora"), so the server offers them together (`retrieval` in a chat request, docs/api.md
+§4.3). The chunking, the ranking and the prompt here are the ones the suite measures.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from .selfstudy.prompts import SYSTEM_PROMPT
+
+CHUNK_TOKENS = 300  # about a paragraph or three: what users' text splitters cut
+TOP_K = 4  # four chunks: about 1,200 tokens of prompt
+
+
+def split_chunks(tokenizer: Any, text: str, chunk_tokens: int = CHUNK_TOKENS) -> list[str]:
+    """The text cut into chunks of about `chunk_tokens` tokens at paragraph boundaries (a
+    paragraph longer than that is cut by tokens), as a user's text splitter would."""
+    chunks: list[str] = []
+    current: list[str] = []
+    size = 0
+    for paragraph in (p.strip() for p in re.split(r"\n\s*\n", text)):
+        if not paragraph:
+            continue
+        ids = tokenizer.encode(paragraph)
+        pieces = [paragraph] if len(ids) <= chunk_tokens else [
+            tokenizer.decode(ids[i:i + chunk_tokens]) for i in range(0, len(ids), chunk_tokens)]
+        for piece in pieces:
+            n = len(tokenizer.encode(piece))
+            if current and size + n > chunk_tokens:
+                chunks.append("\n\n".join(current))
+                current, size = [], 0
+            current.append(piece)
+            size += n
+    if current:
+        chunks.append("\n\n".join(current))
+    return chunks
+
+
+def _terms(texts: Sequence[str]) -> Any:
+    import bm25s
+
+    return bm25s.tokenize(list(texts), stopwords="en", show_progress=False)
+
+
+class Retriever:
+    """BM25 (bm25s, English stop words) over fixed chunks."""
+
+    def __init__(self, chunks: Sequence[str]) -> None:
+        import bm25s
+
+        if not chunks:
+            raise ValueError("nothing to retrieve from: no chunks")
+        self.chunks = list(chunks)
+        self._bm25 = bm25s.BM25()
+        self._bm25.index(_terms(self.chunks), show_progress=False)
+
+    @classmethod
+    def from_texts(cls, tokenizer: Any, texts: Sequence[str], chunk_tokens: int = CHUNK_TOKENS) -> Retriever:
+        """Chunks each text on its own (a chunk never spans two files)."""
+        return cls([c for text in texts for c in split_chunks(tokenizer, text, chunk_tokens)])
+
+    def search_many(self, queries: Sequence[str], k: int = TOP_K) -> list[list[str]]:
+        """Per query, its best chunks first, at most `k`; a chunk that shares no term with the
+        query (BM25 score 0) is never returned, so a query of stop words alone gets none."""
+        if not queries:
+            return []
+        k = min(k, len(self.chunks))
+        ids, scores = self._bm25.retrieve(_terms(queries), k=k, show_progress=False)
+        return [[self.chunks[int(i)] for i, s in zip(row, row_scores) if s > 0] for row, row_scores in zip(ids, scores)]
+
+    def search(self, query: str, k: int = TOP_K) -> list[str]:
+        return self.search_many([query], k)[0]
+
+
+def passages_prompt(passages: Sequence[str]) -> str:
+    """The system prompt that puts retrieved passages in context, best first: the prompt a
+    cartridge's teacher read its document in during self-study."""
+    return SYSTEM_PROMPT.format(chunk="\n\n".join(passages))
