@@ -64,8 +64,8 @@ TEST_P(QuantizedTest, Int8RowResultsDoNotDependOnTheBatch) {
   // A request's logits must not change with what shares its step: each row, computed alone,
   // in a group of 2-8 and in a chunk past 64 rows, gives bit-identical outputs.
   at::manual_seed(3);
-  auto w = random_matrix(GetParam(), 40, 320);  // 10 blocks: one full group of 8 and a partial one
-  auto x = at::randn({70, 320});
+  auto w = random_matrix(GetParam(), 40, 352);  // 11 blocks: five pairs and a lone block
+  auto x = at::randn({70, 352});
   auto all = quantized_linear(x, w, ActivationPrecision::kInt8);
   for (int64_t rows : {1, 2, 3, 5, 8, 9, 16}) {
     auto part = quantized_linear(x.narrow(0, 0, rows), w, ActivationPrecision::kInt8);
@@ -75,6 +75,21 @@ TEST_P(QuantizedTest, Int8RowResultsDoNotDependOnTheBatch) {
     EXPECT_TRUE(at::equal(quantized_linear(x.narrow(0, r, 1), w, ActivationPrecision::kInt8), all.narrow(0, r, 1)))
         << "row " << r;
   }
+}
+
+TEST_P(QuantizedTest, Int8ResultsDoNotDependOnVnni) {
+  // The AVX-512 VNNI and AVX2 kernels compute the same exact integer dots and scale them alike.
+  if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512vl")) {
+    GTEST_SKIP() << "this CPU has no AVX-512 VNNI: only the AVX2 kernel runs";
+  }
+  at::manual_seed(4);
+  auto w = random_matrix(GetParam(), 40, 352);  // 11 blocks: five pairs and a lone block
+  auto x = at::randn({19, 352});
+  auto with_vnni = quantized_linear(x, w, ActivationPrecision::kInt8);
+  const bool before = allow_vnni_for_testing(false);
+  auto without = quantized_linear(x, w, ActivationPrecision::kInt8);
+  allow_vnni_for_testing(before);
+  EXPECT_TRUE(at::equal(with_vnni, without));
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, QuantizedTest,

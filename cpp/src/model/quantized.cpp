@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -183,9 +184,14 @@ struct Int8Rows {
   std::vector<int8_t> q;     // [rows, blocks, 32]
   std::vector<float> scale;  // [rows, blocks]
   std::vector<float> sums;   // [rows, blocks]
-  // The same by block, for eight rows at a time: [blocks, padded rows], zero past the rows.
-  int64_t padded_rows = 0;
-  std::vector<float> scale_by_block, sums_by_block;
+  // The same by pair of blocks (b, b+1), for the AVX2 kernels (empty without AVX2): q_pairs
+  // [rows, pairs, 64] = x_b[0..15], x_b+1[0..15], x_b[16..31], x_b+1[16..31], the order in which
+  // a pair's weights are unpacked; scale_pairs [rows, pairs, 8] = scale_b four times,
+  // then scale_b+1 four times; sums_pairs [rows, pairs, 4] = -8 sum_b, sum_b, -8 sum_b+1,
+  // sum_b+1 (what Q4_0's d and Q4_1's m multiply). A missing b+1 (an odd count) is zeros.
+  int64_t pairs = 0;
+  std::vector<int8_t> q_pairs;
+  std::vector<float> scale_pairs, sums_pairs;
 };
 
 // One block, as llama.cpp's quantize_row_q8_1 rounds it: scale = max|x| / 127,
@@ -233,7 +239,25 @@ CARTRIDGES_AVX2 void round_block_avx2(const float* x, int8_t* q, float* scale, f
   *sum = *scale * static_cast<float>(_mm_cvtsi128_si32(t));
 }
 
-Int8Rows round_rows(const float* x, int64_t rows, int64_t in, bool avx2) {
+void arrange_pairs(Int8Rows& r, int64_t rows) {
+  r.pairs = (r.blocks + 1) / 2;
+  r.q_pairs.assign(rows * r.pairs * 64, 0);
+  r.scale_pairs.assign(rows * r.pairs * 8, 0.f);
+  r.sums_pairs.assign(rows * r.pairs * 4, 0.f);
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t b = 0; b < r.blocks; ++b) {
+      const int64_t pair = row * r.pairs + b / 2, side = b % 2, i = row * r.blocks + b;
+      const int8_t* q = r.q.data() + i * kBlock;
+      std::memcpy(&r.q_pairs[pair * 64 + side * 16], q, 16);
+      std::memcpy(&r.q_pairs[pair * 64 + 32 + side * 16], q + 16, 16);
+      std::fill_n(&r.scale_pairs[pair * 8 + side * 4], 4, r.scale[i]);
+      r.sums_pairs[pair * 4 + side * 2] = -8.f * r.sums[i];
+      r.sums_pairs[pair * 4 + side * 2 + 1] = r.sums[i];
+    }
+  }
+}
+
+Int8Rows round_rows(const float* x, int64_t rows, int64_t in, bool avx2, bool pairs = false) {
   Int8Rows r;
   r.blocks = in / kBlock;
   r.q.resize(rows * in);
@@ -243,15 +267,7 @@ Int8Rows round_rows(const float* x, int64_t rows, int64_t in, bool avx2) {
   for (int64_t i = 0; i < rows * r.blocks; ++i) {
     round_block(x + i * kBlock, r.q.data() + i * kBlock, &r.scale[i], &r.sums[i]);
   }
-  r.padded_rows = (rows + kQuantizedRowGroup - 1) / kQuantizedRowGroup * kQuantizedRowGroup;
-  r.scale_by_block.assign(r.blocks * r.padded_rows, 0.f);
-  r.sums_by_block.assign(r.blocks * r.padded_rows, 0.f);
-  for (int64_t row = 0; row < rows; ++row) {
-    for (int64_t b = 0; b < r.blocks; ++b) {
-      r.scale_by_block[b * r.padded_rows + row] = r.scale[row * r.blocks + b];
-      r.sums_by_block[b * r.padded_rows + row] = r.sums[row * r.blocks + b];
-    }
-  }
+  if (pairs) arrange_pairs(r, rows);
   return r;
 }
 
@@ -292,137 +308,147 @@ void int8_scalar_rows(BlockFormat format, const uint8_t* w, int64_t row_bytes, c
   }
 }
 
-// A weight block's 32 values as bytes: Q8_0's int8, or a 4-bit block's unsigned nibbles in
-// element order (byte j holds element j in its low nibble and j + 16 in its high nibble).
-template <BlockFormat F>
-CARTRIDGES_AVX2 inline __m256i block_values(const uint8_t* block) {
-  if constexpr (F == BlockFormat::kQ8_0) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-  } else {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (F == BlockFormat::kQ4_1 ? 4 : 2)));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(0x0F));
+// ---- two blocks at a time ------------------------------------------------------------------
+
+// R (<= 8) rows against weight rows [n_begin, n_end), two blocks per step: the weights of
+// blocks b and b+1 side by side in two vectors (elements 0-15 of each, then 16-31; a 4-bit
+// pair's low and high nibbles), so one unpacking serves 64 weights, and the integer dots land
+// in eight int32 lanes, four per block, that are scaled in place (d * the activations' scale,
+// per block) and summed into eight float lanes: no reduction inside the row, the block's
+// scales in vectors (llama.cpp's way, two blocks wide). The offsets (Q4_0's -8 d, Q4_1's m,
+// times the activations' sums) go into four lanes of their own. Every R runs the same code per
+// row, so a row's result does not depend on how many rows share its step; VNNI's dpbusd and
+// AVX2's maddubs + madd give the same exact integers, so neither does it depend on the CPU's
+// VNNI.
+#define CARTRIDGES_VNNI __attribute__((target("avx512vnni,avx512vl,avx2,fma,f16c")))
+
+CARTRIDGES_AVX2 inline __m128i load_16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// The exact integer dots of a pair of blocks with their activations: lanes 0-3 block b, 4-7
+// block b+1. Unsigned weights (4-bit nibbles) multiply the activations as they are; signed ones
+// (Q8_0) give maddubs / dpbusd their magnitude and move their sign onto the activations.
+template <bool Signed>
+CARTRIDGES_AVX2 inline void pair_operands(__m256i& lo, __m256i& hi, const int8_t* x, __m256i& x_lo, __m256i& x_hi) {
+  x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+  if constexpr (Signed) {
+    x_lo = _mm256_sign_epi8(x_lo, lo);
+    x_hi = _mm256_sign_epi8(x_hi, hi);
+    lo = _mm256_sign_epi8(lo, lo);
+    hi = _mm256_sign_epi8(hi, hi);
   }
 }
 
-// Integer dot of a block's values with 32 int8 activations, in 8 int32 lanes: u8 x s8 pairs
-// summed by maddubs (at most 2 * 128 * 127, no saturation), then by madd. Q8_0 is signed x
-// signed: maddubs takes |w| and moves w's sign onto the activations.
-template <BlockFormat F>
-CARTRIDGES_AVX2 inline __m256i block_dot(__m256i values, const int8_t* activations) {
-  __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(activations));
-  __m256i w = values;
-  if constexpr (F == BlockFormat::kQ8_0) {
-    w = _mm256_sign_epi8(values, values);
-    qx = _mm256_sign_epi8(qx, values);
-  }
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, qx), _mm256_set1_epi16(1));
+template <bool Signed>
+CARTRIDGES_AVX2 inline __m256i pair_dot_avx2(__m256i lo, __m256i hi, const int8_t* x) {
+  __m256i x_lo, x_hi;
+  pair_operands<Signed>(lo, hi, x, x_lo, x_hi);
+  const __m256i ones = _mm256_set1_epi16(1);
+  return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x_lo), ones),
+                          _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x_hi), ones));
 }
 
-// Eight lanes of int32 per row -> one vector of the R (<= 8) rows' totals, in row order.
-template <int R>
-CARTRIDGES_AVX2 inline __m256i row_totals(const __m256i v[8]) {
-  const __m256i h01 = _mm256_hadd_epi32(v[0], R > 1 ? v[1] : _mm256_setzero_si256());
-  const __m256i h23 = R > 2 ? _mm256_hadd_epi32(v[2], R > 3 ? v[3] : _mm256_setzero_si256()) : _mm256_setzero_si256();
-  const __m256i h45 = R > 4 ? _mm256_hadd_epi32(v[4], R > 5 ? v[5] : _mm256_setzero_si256()) : _mm256_setzero_si256();
-  const __m256i h67 = R > 6 ? _mm256_hadd_epi32(v[6], R > 7 ? v[7] : _mm256_setzero_si256()) : _mm256_setzero_si256();
-  const __m256i low = _mm256_hadd_epi32(h01, h23);   // rows 0-3: low 128-bit lane halves, then high
-  const __m256i high = _mm256_hadd_epi32(h45, h67);  // rows 4-7
-  return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31));
+template <bool Signed>
+CARTRIDGES_VNNI inline __m256i pair_dot_vnni(__m256i lo, __m256i hi, const int8_t* x) {
+  __m256i x_lo, x_hi;
+  pair_operands<Signed>(lo, hi, x, x_lo, x_hi);
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, x_lo), hi, x_hi);
 }
 
-// R (<= 8) rows against weight rows [n_begin, n_end). Each weight block is unpacked once for
-// all R rows; each row's integer dot (block_dot) is reduced to one lane per row (exact), so the block's
-// scales apply to all rows in one multiply-add. A row's arithmetic is the same for every R:
-// a request's results do not depend on how many others share its step.
-template <BlockFormat F, int R>
-CARTRIDGES_AVX2 void int8_avx2_row_group(const uint8_t* w, int64_t row_bytes, const Int8Rows& x, int64_t r0,
-                                         float* y, int64_t out, int64_t n_begin, int64_t n_end) {
-  constexpr int64_t bb = F == BlockFormat::kQ4_0 ? 18 : F == BlockFormat::kQ4_1 ? 20 : 34;
-  const int64_t blocks = x.blocks, padded = x.padded_rows;
-  const int8_t* xq = x.q.data() + r0 * blocks * kBlock;
-  const float* xs = x.scale_by_block.data() + r0;
-  const float* xsum = x.sums_by_block.data() + r0;
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    __m256 acc = _mm256_setzero_ps();
-    __m256 offset = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* block = row + b * bb;
-      const __m256 d = _mm256_set1_ps(half_at_f16c(block));
-      const __m256i values = block_values<F>(block);
-      __m256i dots[8];
-      for (int r = 0; r < R; ++r) dots[r] = block_dot<F>(values, xq + (r * blocks + b) * kBlock);
-      const __m256 scales = _mm256_mul_ps(d, _mm256_loadu_ps(xs + b * padded));
-      acc = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(row_totals<R>(dots)), acc);
-      if constexpr (F == BlockFormat::kQ4_1) {
-        offset = _mm256_fmadd_ps(_mm256_set1_ps(half_at_f16c(block + 2)), _mm256_loadu_ps(xsum + b * padded), offset);
-      } else if constexpr (F == BlockFormat::kQ4_0) {
-        offset = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(-8.f), d), _mm256_loadu_ps(xsum + b * padded), offset);
-      }
-    }
-    alignas(32) float totals[8];
-    _mm256_store_ps(totals, _mm256_add_ps(acc, offset));
-    for (int r = 0; r < R; ++r) y[(r0 + r) * out + n] = totals[r];
-  }
+// One definition for both targets: GCC compiles a function for one target only, and the
+// intrinsics must inline into a function of their target.
+#define CARTRIDGES_PAIR_ROWS(NAME, TARGET, DOT) \
+  template <BlockFormat F, int R>                                                                                           \
+  TARGET void NAME(const uint8_t* w, int64_t row_bytes, const Int8Rows& x, int64_t r0, float* y, int64_t out,               \
+                   int64_t n_begin, int64_t n_end)                                                                          \
+{                                                                                                                           \
+  constexpr int64_t bb = F == BlockFormat::kQ4_0 ? 18 : F == BlockFormat::kQ4_1 ? 20 : 34;                                \
+  constexpr int64_t values = F == BlockFormat::kQ4_1 ? 4 : 2; /* where the weights start in a block */                   \
+  const int64_t blocks = x.blocks, pairs = x.pairs;                                                                         \
+  const int8_t* xq = x.q_pairs.data() + r0 * pairs * 64;                                                                    \
+  const float* xs = x.scale_pairs.data() + r0 * pairs * 8;                                                                  \
+  const float* xsum = x.sums_pairs.data() + r0 * pairs * 4;                                                                 \
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);                                                                       \
+  const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);  /* d_b to lanes 0-3, d_b+1 to 4-7 */                   \
+  /* Q4_0, Q8_0: the half after d is weights, not a number: keep d's bits only. Q4_1: m is the offset's weight. */          \
+  const __m128i scale_bits = _mm_set1_epi32(F == BlockFormat::kQ4_1 ? -1 : 0x0000FFFF);                                     \
+  const __m128 offset_lanes = _mm_castsi128_ps(F == BlockFormat::kQ4_0 ? _mm_setr_epi32(-1, 0, -1, 0)                       \
+                                                                      : _mm_setr_epi32(0, -1, 0, -1));                      \
+  for (int64_t n = n_begin; n < n_end; ++n) {                                                                               \
+    const uint8_t* row = w + n * row_bytes;                                                                                 \
+    __m256 acc[R];                                                                                                          \
+    __m128 offset[R];                                                                                                       \
+    for (int r = 0; r < R; ++r) {                                                                                           \
+      acc[r] = _mm256_setzero_ps();                                                                                         \
+      offset[r] = _mm_setzero_ps();                                                                                         \
+    }                                                                                                                       \
+    for (int64_t p = 0; p < pairs; ++p) {                                                                                   \
+      const uint8_t* first = row + 2 * p * bb;                                                                              \
+      const bool two = 2 * p + 1 < blocks;                                                                                  \
+      const uint8_t* second = first + bb;                                                                                   \
+      __m256i lo, hi;                                                                                                       \
+      if constexpr (F == BlockFormat::kQ8_0) {                                                                              \
+        lo = _mm256_set_m128i(two ? load_16(second + values) : _mm_setzero_si128(), load_16(first + values));               \
+        hi = _mm256_set_m128i(two ? load_16(second + values + 16) : _mm_setzero_si128(), load_16(first + values + 16));     \
+      } else {                                                                                                              \
+        const __m256i v = _mm256_set_m128i(two ? load_16(second + values) : _mm_setzero_si128(), load_16(first + values));  \
+        lo = _mm256_and_si256(v, low_nibbles);                                                                              \
+        hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);                                                        \
+      }                                                                                                                     \
+      uint32_t head0, head1 = 0;                                                                                            \
+      std::memcpy(&head0, first, 4);                                                                                        \
+      if (two) std::memcpy(&head1, second, 4);                                                                              \
+      /* [d_b, m_b, d_b+1, m_b+1] (Q4_0: [d_b, 0, d_b+1, 0]) */                                                             \
+      const __m128 heads = _mm_cvtph_ps(_mm_and_si128(_mm_setr_epi32(head0, head1, 0, 0), scale_bits));                     \
+      const __m256 d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(heads), spread);                                     \
+      const __m128 offset_weights = _mm_and_ps(heads, offset_lanes);                                                        \
+      for (int r = 0; r < R; ++r) {                                                                                         \
+        const int64_t i = r * pairs + p;                                                                                    \
+        const __m256i dot = DOT<F == BlockFormat::kQ8_0>(lo, hi, xq + i * 64);                                              \
+        const __m256 scales = _mm256_mul_ps(d, _mm256_loadu_ps(xs + i * 8));                                                \
+        acc[r] = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(dot), acc[r]);                                                  \
+        if constexpr (F != BlockFormat::kQ8_0) {                                                                            \
+          offset[r] = _mm_fmadd_ps(offset_weights, _mm_loadu_ps(xsum + i * 4), offset[r]);                                  \
+        }                                                                                                                   \
+      }                                                                                                                     \
+    }                                                                                                                       \
+    for (int r = 0; r < R; ++r) {                                                                                           \
+      __m128 o = _mm_add_ps(offset[r], _mm_movehl_ps(offset[r], offset[r]));  /* lanes 0+2, 1+3 */                          \
+      o = _mm_add_ss(o, _mm_movehdup_ps(o));                                                                                \
+      y[(r0 + r) * out + n] = hsum(acc[r]) + _mm_cvtss_f32(o);                                                              \
+    }                                                                                                                       \
+  }                                                                                                                         \
 }
 
-// One row (batch-1 decode): the same arithmetic as int8_avx2_row_group<F, 1>, lane for lane,
-// but with eight blocks in the lanes of one reduction instead of one block per reduction;
-// the per-block scaling stays a scalar chain in block order, as in the group kernel.
-CARTRIDGES_AVX2 inline float fused_multiply_add(float a, float b, float c) {
-  return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)));
-}
-
-template <BlockFormat F>
-CARTRIDGES_AVX2 void int8_avx2_one_row(const uint8_t* w, int64_t row_bytes, const Int8Rows& x, int64_t r0,
-                                       float* y, int64_t out, int64_t n_begin, int64_t n_end) {
-  constexpr int64_t bb = F == BlockFormat::kQ4_0 ? 18 : F == BlockFormat::kQ4_1 ? 20 : 34;
-  const int64_t blocks = x.blocks;
-  const int8_t* xq = x.q.data() + r0 * blocks * kBlock;
-  const float* xs = x.scale.data() + r0 * blocks;
-  const float* xsum = x.sums.data() + r0 * blocks;
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    float acc = 0.f, offset = 0.f;
-    for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
-      const int count = static_cast<int>(std::min<int64_t>(8, blocks - b0));
-      __m256i dots[8];
-      for (int i = 0; i < 8; ++i) {
-        dots[i] = i < count ? block_dot<F>(block_values<F>(row + (b0 + i) * bb), xq + (b0 + i) * kBlock)
-                            : _mm256_setzero_si256();
-      }
-      alignas(32) float totals[8];
-      _mm256_store_ps(totals, _mm256_cvtepi32_ps(row_totals<8>(dots)));
-      for (int i = 0; i < count; ++i) {
-        const uint8_t* block = row + (b0 + i) * bb;
-        const float d = half_at_f16c(block);
-        acc = fused_multiply_add(d * xs[b0 + i], totals[i], acc);
-        if constexpr (F == BlockFormat::kQ4_1) {
-          offset = fused_multiply_add(half_at_f16c(block + 2), xsum[b0 + i], offset);
-        } else if constexpr (F == BlockFormat::kQ4_0) {
-          offset = fused_multiply_add(-8.f * d, xsum[b0 + i], offset);
-        }
-      }
-    }
-    y[r0 * out + n] = acc + offset;
-  }
-}
+CARTRIDGES_PAIR_ROWS(int8_pair_rows_avx2, CARTRIDGES_AVX2, pair_dot_avx2)
+CARTRIDGES_PAIR_ROWS(int8_pair_rows_vnni, CARTRIDGES_VNNI, pair_dot_vnni)
+#undef CARTRIDGES_PAIR_ROWS
 
 using Int8RowsFn = void (*)(const uint8_t*, int64_t, const Int8Rows&, int64_t, float*, int64_t, int64_t, int64_t);
 
 template <BlockFormat F>
-Int8RowsFn pick_int8_rows(int64_t rows) {
-  static constexpr Int8RowsFn table[kQuantizedRowGroup] = {
-      int8_avx2_one_row<F>,      int8_avx2_row_group<F, 2>, int8_avx2_row_group<F, 3>, int8_avx2_row_group<F, 4>,
-      int8_avx2_row_group<F, 5>, int8_avx2_row_group<F, 6>, int8_avx2_row_group<F, 7>, int8_avx2_row_group<F, 8>};
-  return table[rows - 1];
+Int8RowsFn pick_pair_rows(int64_t rows, bool vnni) {
+  static constexpr Int8RowsFn avx2[kQuantizedRowGroup] = {
+      int8_pair_rows_avx2<F, 1>, int8_pair_rows_avx2<F, 2>, int8_pair_rows_avx2<F, 3>, int8_pair_rows_avx2<F, 4>,
+      int8_pair_rows_avx2<F, 5>, int8_pair_rows_avx2<F, 6>, int8_pair_rows_avx2<F, 7>, int8_pair_rows_avx2<F, 8>};
+  static constexpr Int8RowsFn with_vnni[kQuantizedRowGroup] = {
+      int8_pair_rows_vnni<F, 1>, int8_pair_rows_vnni<F, 2>, int8_pair_rows_vnni<F, 3>, int8_pair_rows_vnni<F, 4>,
+      int8_pair_rows_vnni<F, 5>, int8_pair_rows_vnni<F, 6>, int8_pair_rows_vnni<F, 7>, int8_pair_rows_vnni<F, 8>};
+  return (vnni ? with_vnni : avx2)[rows - 1];
+}
+
+std::atomic<bool> vnni_allowed{true};
+
+bool has_vnni() {
+  static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+  return yes && vnni_allowed.load(std::memory_order_relaxed);
 }
 
 Int8RowsFn int8_avx2_kernel(BlockFormat format, int64_t rows) {
   switch (format) {
-    case BlockFormat::kQ4_0: return pick_int8_rows<BlockFormat::kQ4_0>(rows);
-    case BlockFormat::kQ4_1: return pick_int8_rows<BlockFormat::kQ4_1>(rows);
-    case BlockFormat::kQ8_0: return pick_int8_rows<BlockFormat::kQ8_0>(rows);
+    case BlockFormat::kQ4_0: return pick_pair_rows<BlockFormat::kQ4_0>(rows, has_vnni());
+    case BlockFormat::kQ4_1: return pick_pair_rows<BlockFormat::kQ4_1>(rows, has_vnni());
+    case BlockFormat::kQ8_0: return pick_pair_rows<BlockFormat::kQ8_0>(rows, has_vnni());
   }
   TORCH_INTERNAL_ASSERT(false);
 }
@@ -453,7 +479,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const QuantizedMatrix& w, Activ
   const bool avx2 = has_avx2();
   const bool int8 = precision == ActivationPrecision::kInt8;
   // Rounded once, before the threads split the weights (a few microseconds).
-  const Int8Rows xq = int8 ? round_rows(xp, rows, in, avx2) : Int8Rows{};
+  const Int8Rows xq = int8 ? round_rows(xp, rows, in, avx2, avx2) : Int8Rows{};
   // Output features are independent: split them across threads in chunks that keep each
   // thread streaming through whole rows of weights. Within a chunk, a tile of weight rows
   // (a few KiB, in L1/L2) serves every group of input rows before the next tile is read.
@@ -485,6 +511,8 @@ at::Tensor quantized_linear(const at::Tensor& x, const QuantizedMatrix& w, Activ
   shape.back() = out;
   return y.view(shape);
 }
+
+bool allow_vnni_for_testing(bool allowed) { return vnni_allowed.exchange(allowed); }
 
 at::Tensor round_activations_int8(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.size(-1) % kBlock == 0,

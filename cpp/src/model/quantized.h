@@ -61,6 +61,10 @@ at::Tensor quantized_linear(const at::Tensor& x, const QuantizedMatrix& w,
 // per block of 32, d = max|x| / 127 and x ~ d * round(x * 127 / max|x|).
 at::Tensor round_activations_int8(const at::Tensor& x);
 
+// Whether the int8 kernels may use AVX-512 VNNI where the CPU has it (the default); returns
+// the previous setting. For tests of the AVX2 path, which must give the same bits.
+bool allow_vnni_for_testing(bool allowed);
+
 // The float32 matrix W [out, in] (the reference the kernel is tested against).
 at::Tensor dequantize(const QuantizedMatrix& w);
 
