@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -437,7 +438,8 @@ Int8RowsFn pick_pair_rows(int64_t rows, bool vnni) {
   return (vnni ? with_vnni : avx2)[rows - 1];
 }
 
-std::atomic<bool> vnni_allowed{true};
+// CARTRIDGES_NO_VNNI=1 runs the AVX2 kernel on a CPU with VNNI: to measure what CPUs without it get.
+std::atomic<bool> vnni_allowed{std::getenv("CARTRIDGES_NO_VNNI") == nullptr};
 
 bool has_vnni() {
   static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
