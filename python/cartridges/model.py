@@ -216,15 +216,12 @@ def _wait_all(streams: list[Stream], condition: threading.Condition,
     """Consumes the streams' events as they come (they share `condition`), calling on_token."""
     while True:
         for i, stream in enumerate(streams):
-            count = len(stream.tokens)
-            for delta in stream._take():
-                if on_token is None or delta.token is None:
-                    continue
-                count += 1
-                if on_token(i, delta.token) is False:
-                    stream.close()
-                    del stream.tokens[count:]  # tokens taken with this one are dropped
-                    break
+            # With a callback, one event at a time: a sequence it cancels ends at that token,
+            # however far the engine has run ahead (its later events are never taken).
+            while not stream.finished and (deltas := stream._take(None if on_token is None else 1)):
+                for delta in deltas:
+                    if on_token is not None and delta.token is not None and on_token(i, delta.token) is False:
+                        stream.close()
         if all(s.finished for s in streams):
             return
         with condition:

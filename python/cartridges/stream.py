@@ -92,11 +92,15 @@ class Stream:
 
     # -- consumption -----------------------------------------------------------------------
 
-    def _take(self) -> list[Delta]:
-        """Turns the delivered events into deltas (detokenization, stop sequences)."""
+    def _take(self, limit: int | None = None) -> list[Delta]:
+        """Turns the delivered events (at most `limit` of them) into deltas (detokenization,
+        stop sequences)."""
         with self._condition:
-            events = list(self._events)
-            self._events.clear()
+            if limit is None:
+                events = list(self._events)
+                self._events.clear()
+            else:
+                events = [self._events.popleft() for _ in range(min(limit, len(self._events)))]
         out: list[Delta] = []
         for e in events:
             if self.finished:

@@ -91,6 +91,10 @@ class LlamaModel {
   // Set it before generating; it has no effect without quantized weights.
   bool int8_activations() const { return int8_activations_; }
   void set_int8_activations(bool on) { int8_activations_ = on; }
+  // Whether every matrix product of a forward without gradient runs on the block-quantized
+  // kernels with int8 activations (CPU float32, every projection and the head quantized):
+  // ATen's operators then carry only small elementwise work.
+  bool products_on_quantized_kernels() const;
 
   // Final-norm hidden states [B, S, hidden]. With a cache, the new K/V are appended to it
   // and attention covers prefixes + cache; without one, prefixes + these tokens only

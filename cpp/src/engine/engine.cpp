@@ -21,6 +21,7 @@
 #include "cartridges/kv_pool.h"
 #include "cartridges/engine.h"
 #include "engine/scheduler.h"
+#include "model/spin_pool.h"
 
 namespace cartridges {
 
@@ -207,8 +208,17 @@ class EngineImpl {
     // threads outside the model's compute; the OpenMP team it starts inherits the name.
     pthread_setname_np(pthread_self(), kComputeThreadName);
 #endif
-    int threads = requested_threads_.load();
-    at::set_num_threads(threads);
+    // Our kernels split their work on this pool, whose threads spin between a step's sections
+    // (model/spin_pool.h). ATen's operators use OpenMP with the same count, or one thread when
+    // every matrix product is ours: what is left to them is too small to wake a team for.
+    int threads = requested_threads_.load(), aten_threads = 0;
+    auto pool = std::make_unique<SpinPool>(threads);
+    PoolScope scope(pool.get());
+    auto set_aten_threads = [&] {
+      const int wanted = model_->products_on_quantized_kernels() ? 1 : threads;
+      if (wanted != aten_threads) at::set_num_threads(aten_threads = wanted);  // per thread under OpenMP
+    };
+    set_aten_threads();
     std::vector<Event> events;
     for (;;) {
       StepPlan plan;
@@ -235,8 +245,11 @@ class EngineImpl {
       }
       if (const int wanted = requested_threads_.load(); wanted != threads) {
         threads = wanted;  // OpenMP's count is per thread: only the compute thread can set its own
-        at::set_num_threads(threads);
+        pool.reset();
+        pool = std::make_unique<SpinPool>(threads);
+        scope.reset(pool.get());
       }
+      set_aten_threads();  // also follows the model's int8 setting
       if (!moved.empty()) move_slots(moved);
       if (!plan.empty()) step(plan, events);
       publish(events, /*last=*/false);

@@ -200,6 +200,13 @@ LlamaModel LlamaModel::with_dtype(at::ScalarType dtype) const {
   return twin;
 }
 
+bool LlamaModel::products_on_quantized_kernels() const {
+  if (!(device_.is_cpu() && dtype_ == at::kFloat && int8_activations_ && lm_head_.quantized)) return false;
+  return std::all_of(layers_.begin(), layers_.end(), [](const Layer& l) {
+    return l.qkv.quantized && l.o.quantized && l.gate_up.quantized && l.down.quantized;
+  });
+}
+
 KVCache LlamaModel::new_cache(int64_t batch, int64_t capacity) const {
   return KVCache(config_, batch, capacity, options());
 }

@@ -1,4 +1,5 @@
 #include "model/ops.h"
+#include "model/spin_pool.h"
 
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
@@ -29,7 +30,7 @@ at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, dou
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float epsilon = static_cast<float>(eps);
-  at::parallel_for(0, rows, /*grain_size=*/64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, /*grain_size=*/64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* xr = xp + r * n;
       float* outr = op + r * n;
@@ -114,7 +115,7 @@ at::Tensor rope_and_store_cpu(const at::Tensor& q, const at::Tensor& k, const at
   float* oq = rotated_q.data_ptr<float>();
   float* pk = pool_keys.data_ptr<float>();
   float* pv = pool_values.data_ptr<float>();
-  at::parallel_for(0, tokens, /*grain_size=*/16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens, /*grain_size=*/16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* ct = cp + t * dim;
       const float* st = sp + t * dim;

@@ -1,4 +1,5 @@
 #include "model/packed_attention.h"
+#include "model/spin_pool.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -209,7 +210,7 @@ void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at:
   const auto axpy = has_avx2() ? axpy_avx2 : axpy_scalar;
   // One (row, kv head) pair per work item: its keys and values are read once for the
   // `groups` query heads that share them.
-  at::parallel_for(0, rows * kv, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows * kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<Segment> segments;
     for (int64_t w = begin; w < end; ++w) {

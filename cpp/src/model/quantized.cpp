@@ -1,6 +1,7 @@
 // The block-quantized kernels of quantized.h. Longer than 400 lines: each SIMD kernel sits beside
 // the scalar code it must equal (the tests compare them), for both arithmetics and three formats.
 #include "model/quantized.h"
+#include "model/spin_pool.h"
 
 #include "cartridges/model.h"
 
@@ -507,7 +508,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const QuantizedMatrix& w, Activ
   };
   for (int64_t first = 0; first < rows; first += kRowChunk) {
     const int64_t last = std::min(first + kRowChunk, rows);
-    at::parallel_for(0, out, /*grain_size=*/64, [&](int64_t begin, int64_t end) { multiply(first, last, begin, end); });
+    parallel_for(0, out, /*grain_size=*/64, [&](int64_t begin, int64_t end) { multiply(first, last, begin, end); });
   }
   auto shape = x.sizes().vec();
   shape.back() = out;
@@ -533,7 +534,7 @@ at::Tensor dequantize(const QuantizedMatrix& w) {
   auto result = at::empty({out, w.in_features}, at::kFloat);
   float* rp = result.data_ptr<float>();
   const uint8_t* wp = w.data.data_ptr<uint8_t>();
-  at::parallel_for(0, out, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, out, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t b = 0; b < blocks; ++b) {
         dequantize_block(w.format, wp + n * w.data.size(1) + b * bb, rp + n * w.in_features + b * kBlock);
