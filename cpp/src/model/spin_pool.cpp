@@ -13,8 +13,11 @@ namespace {
 thread_local SpinPool* installed = nullptr;
 
 // How long a worker spins for the next section before it sleeps: longer than the gaps between
-// the sections of a step and between steps, short enough that an idle engine frees its cores.
-constexpr auto kSpin = std::chrono::microseconds(500);
+// the sections of a step (ATen's small operators, microseconds), shorter than the time the
+// server's event loop needs between steps to send the tokens: with 500 µs the spinning worker
+// took that core from it, and one HTTP client got 0.85-0.91x the engine's tokens/s, with 100 µs
+// 0.98x (benchmarks/bench_http.py, 2 cores).
+constexpr auto kSpin = std::chrono::microseconds(100);
 
 inline void pause() {
 #if defined(__x86_64__) || defined(__i386__)
