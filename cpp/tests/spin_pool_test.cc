@@ -72,3 +72,13 @@ TEST(SpinPoolTest, ParallelForUsesTheInstalledPool) {
   EXPECT_EQ(current_pool(), nullptr);
   EXPECT_EQ(seen.size(), 2u);
 }
+
+TEST(SpinPoolTest, APartThatSplitsAgainRunsAlone) {
+  SpinPool pool(2);
+  PoolScope scope(&pool);
+  std::atomic<int64_t> total{0};
+  parallel_for(0, 100, 1, [&](int64_t b, int64_t e) {
+    parallel_for(b, e, 1, [&](int64_t ib, int64_t ie) { total.fetch_add(ie - ib); });  // no deadlock
+  });
+  EXPECT_EQ(total.load(), 100);
+}

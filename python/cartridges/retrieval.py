@@ -16,6 +16,7 @@ from .selfstudy.prompts import SYSTEM_PROMPT
 
 CHUNK_TOKENS = 300  # about a paragraph or three: what users' text splitters cut
 TOP_K = 4  # four chunks: about 1,200 tokens of prompt
+MAX_PASSAGES = 16  # the most a chat request may ask for: 4,800 tokens of an 8,192-token context
 
 
 def split_chunks(tokenizer: Any, text: str, chunk_tokens: int = CHUNK_TOKENS) -> list[str]:

@@ -138,3 +138,5 @@ def test_the_cli_chat_asks_for_retrieval(chat_server: LiveServer, owner: dict) -
     assert done.stdout.strip() == expected.choices[0].message.content.strip()
     local = chat("--retrieval", stdin="")
     assert local.returncode == 2 and "--retrieval is for --server" in local.stderr
+    too_many = chat("--server", chat_server.url, "--api-key", owner["key"], "--retrieval", "17", stdin="")
+    assert too_many.returncode == 2 and "--retrieval takes 1 to 16 passages" in too_many.stderr

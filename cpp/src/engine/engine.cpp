@@ -209,16 +209,16 @@ class EngineImpl {
     pthread_setname_np(pthread_self(), kComputeThreadName);
 #endif
     // Our kernels split their work on this pool, whose threads spin between a step's sections
-    // (model/spin_pool.h). ATen's operators use OpenMP with the same count, or one thread when
-    // every matrix product is ours: what is left to them is too small to wake a team for.
+    // (model/spin_pool.h). ATen's operators use OpenMP with the same count, but one thread in a
+    // decode-only step when every matrix product is ours: what is left to ATen there is too small
+    // to wake a team for, while a prefill's attention (ATen's flash attention) needs the cores.
     int threads = requested_threads_.load(), aten_threads = 0;
     auto pool = std::make_unique<SpinPool>(threads);
     PoolScope scope(pool.get());
-    auto set_aten_threads = [&] {
-      const int wanted = model_->products_on_quantized_kernels() ? 1 : threads;
+    auto set_aten_threads = [&](const StepPlan& plan) {
+      const int wanted = plan.prefill.empty() && model_->products_on_quantized_kernels() ? 1 : threads;
       if (wanted != aten_threads) at::set_num_threads(aten_threads = wanted);  // per thread under OpenMP
     };
-    set_aten_threads();
     std::vector<Event> events;
     for (;;) {
       StepPlan plan;
@@ -249,7 +249,7 @@ class EngineImpl {
         pool = std::make_unique<SpinPool>(threads);
         scope.reset(pool.get());
       }
-      set_aten_threads();  // also follows the model's int8 setting
+      set_aten_threads(plan);  // also follows the model's int8 setting
       if (!moved.empty()) move_slots(moved);
       if (!plan.empty()) step(plan, events);
       publish(events, /*last=*/false);

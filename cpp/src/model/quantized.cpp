@@ -259,7 +259,7 @@ void arrange_pairs(Int8Rows& r, int64_t rows) {
   }
 }
 
-Int8Rows round_rows(const float* x, int64_t rows, int64_t in, bool avx2, bool pairs = false) {
+Int8Rows round_rows(const float* x, int64_t rows, int64_t in, bool avx2) {
   Int8Rows r;
   r.blocks = in / kBlock;
   r.q.resize(rows * in);
@@ -269,7 +269,7 @@ Int8Rows round_rows(const float* x, int64_t rows, int64_t in, bool avx2, bool pa
   for (int64_t i = 0; i < rows * r.blocks; ++i) {
     round_block(x + i * kBlock, r.q.data() + i * kBlock, &r.scale[i], &r.sums[i]);
   }
-  if (pairs) arrange_pairs(r, rows);
+  if (avx2) arrange_pairs(r, rows);  // the AVX2 kernels' layout
   return r;
 }
 
@@ -482,7 +482,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const QuantizedMatrix& w, Activ
   const bool avx2 = has_avx2();
   const bool int8 = precision == ActivationPrecision::kInt8;
   // Rounded once, before the threads split the weights (a few microseconds).
-  const Int8Rows xq = int8 ? round_rows(xp, rows, in, avx2, avx2) : Int8Rows{};
+  const Int8Rows xq = int8 ? round_rows(xp, rows, in, avx2) : Int8Rows{};
   // Output features are independent: split them across threads in chunks that keep each
   // thread streaming through whole rows of weights. Within a chunk, a tile of weight rows
   // (a few KiB, in L1/L2) serves every group of input rows before the next tile is read.

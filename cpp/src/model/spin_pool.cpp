@@ -46,10 +46,11 @@ void SpinPool::run(int64_t begin, int64_t end, int64_t grain, const std::functio
   const int64_t n = end - begin;
   if (n <= 0) return;
   const int64_t parts = std::min<int64_t>(threads(), (n + std::max<int64_t>(grain, 1) - 1) / std::max<int64_t>(grain, 1));
-  if (parts <= 1 || workers_.empty()) {
+  if (parts <= 1 || workers_.empty() || running_) {  // running_: a part that splits again runs alone
     fn(begin, end);
     return;
   }
+  running_ = true;
   fn_ = &fn;
   begin_ = begin;
   end_ = end;
@@ -68,6 +69,7 @@ void SpinPool::run(int64_t begin, int64_t end, int64_t grain, const std::functio
     if (!error_) error_ = std::current_exception();
   }
   while (pending_.load(std::memory_order_acquire) != 0) pause();
+  running_ = false;
   if (error_) std::rethrow_exception(error_);
 }
 

@@ -55,6 +55,7 @@ class SpinPool {
   int64_t begin_ = 0, end_ = 0, chunk_ = 0;
   std::mutex error_mutex_;
   std::exception_ptr error_;
+  bool running_ = false;  // the caller's thread only
 };
 
 // Installs `pool` for the calling thread while in scope (nullptr: none).

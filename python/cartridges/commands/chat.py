@@ -62,6 +62,11 @@ class FatalError(Exception):
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..retrieval import MAX_PASSAGES
+
+    if args.retrieval is not None and not 1 <= args.retrieval <= MAX_PASSAGES:
+        print(f"error: --retrieval takes 1 to {MAX_PASSAGES} passages, got {args.retrieval}", file=sys.stderr)
+        return 2
     if args.server:
         return _run_server(args)
     for given, name in ((args.api_key, "--api-key"), (args.retrieval is not None, "--retrieval")):

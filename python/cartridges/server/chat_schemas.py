@@ -14,11 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, f
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
+from cartridges.retrieval import MAX_PASSAGES, TOP_K
+
 MAX_STOP_SEQUENCES = 4
 MAX_CHOICES = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
-MAX_PASSAGES = 16  # retrieved passages of ~300 tokens: 4,800 tokens of an 8,192-token context
 
 # OpenAI request fields for features this server does not have: a request that sets one (to
 # anything but null, or the value that asks for nothing) is refused, naming the field.
@@ -62,7 +63,7 @@ class CartridgeRef(BaseModel):
 class RetrievalOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    top_k: int = Field(default=4, ge=1, le=MAX_PASSAGES, description="At most this many passages in the prompt.")
+    top_k: int = Field(default=TOP_K, ge=1, le=MAX_PASSAGES, description="At most this many passages in the prompt.")
 
 
 class StreamOptions(BaseModel):

@@ -18,7 +18,7 @@ from fastapi.sse import format_sse_event
 
 from cartridges.engine import COMPOSITIONS, ContextLengthError, EngineBusyError, EngineStoppedError
 from cartridges.stream import Delta, GenerationError, Stream, TokenLogprob, choice_seeds
-from cartridges.retrieval import passages_prompt
+from cartridges.retrieval import TOP_K, passages_prompt
 from cartridges.server.chat_schemas import ChatCompletionRequest, FilePart, RetrievalOptions
 from cartridges.server.principal import Principal
 from cartridges.server.errors import APIError
@@ -66,7 +66,7 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
     messages = [{"role": "system" if m.role == "developer" else m.role,
                  "content": _content(serving, user, m.content, i)} for i, m in enumerate(body.messages)]
     if body.retrieval:
-        top_k = body.retrieval.top_k if isinstance(body.retrieval, RetrievalOptions) else RetrievalOptions().top_k
+        top_k = body.retrieval.top_k if isinstance(body.retrieval, RetrievalOptions) else TOP_K
         messages = _with_passages(serving, user, records, messages, top_k)
     try:
         prompt = model.encode_chat(messages)
