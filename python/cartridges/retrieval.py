@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .selfstudy.prompts import SYSTEM_PROMPT
@@ -49,31 +50,52 @@ def _terms(texts: Sequence[str]) -> Any:
     return bm25s.tokenize(list(texts), stopwords="en", show_progress=False)
 
 
+@dataclass(frozen=True)
+class Hit:
+    """A retrieved chunk: its text, its BM25 score and which of the indexed texts it comes from."""
+
+    text: str
+    score: float
+    source: int  # index into the texts given to `Retriever.from_texts` (0 for `Retriever(chunks)`)
+
+
 class Retriever:
     """BM25 (bm25s, English stop words) over fixed chunks."""
 
-    def __init__(self, chunks: Sequence[str]) -> None:
+    def __init__(self, chunks: Sequence[str], sources: Sequence[int] | None = None) -> None:
         import bm25s
 
         if not chunks:
             raise ValueError("nothing to retrieve from: no chunks")
         self.chunks = list(chunks)
+        self.sources = list(sources) if sources is not None else [0] * len(self.chunks)
+        if len(self.sources) != len(self.chunks):
+            raise ValueError(f"{len(self.sources)} sources for {len(self.chunks)} chunks")
         self._bm25 = bm25s.BM25()
         self._bm25.index(_terms(self.chunks), show_progress=False)
 
     @classmethod
     def from_texts(cls, tokenizer: Any, texts: Sequence[str], chunk_tokens: int = CHUNK_TOKENS) -> Retriever:
         """Chunks each text on its own (a chunk never spans two files)."""
-        return cls([c for text in texts for c in split_chunks(tokenizer, text, chunk_tokens)])
+        pieces = [(c, i) for i, text in enumerate(texts) for c in split_chunks(tokenizer, text, chunk_tokens)]
+        return cls([c for c, _ in pieces], [i for _, i in pieces])
 
-    def search_many(self, queries: Sequence[str], k: int = TOP_K) -> list[list[str]]:
+    def hits_many(self, queries: Sequence[str], k: int = TOP_K) -> list[list[Hit]]:
         """Per query, its best chunks first, at most `k`; a chunk that shares no term with the
         query (BM25 score 0) is never returned, so a query of stop words alone gets none."""
         if not queries:
             return []
         k = min(k, len(self.chunks))
         ids, scores = self._bm25.retrieve(_terms(queries), k=k, show_progress=False)
-        return [[self.chunks[int(i)] for i, s in zip(row, row_scores) if s > 0] for row, row_scores in zip(ids, scores)]
+        return [[Hit(self.chunks[int(i)], float(s), self.sources[int(i)]) for i, s in zip(row, row_scores) if s > 0]
+                for row, row_scores in zip(ids, scores)]
+
+    def search_many(self, queries: Sequence[str], k: int = TOP_K) -> list[list[str]]:
+        """`hits_many`'s texts."""
+        return [[hit.text for hit in hits] for hits in self.hits_many(queries, k)]
+
+    def hits(self, query: str, k: int = TOP_K) -> list[Hit]:
+        return self.hits_many([query], k)[0]
 
     def search(self, query: str, k: int = TOP_K) -> list[str]:
         return self.search_many([query], k)[0]

@@ -27,8 +27,11 @@ class FailingStream:
 class FakeAnswer:
     first_token_at = None
 
-    def chunk(self, choices, usage=None, with_usage=False) -> bytes:
-        return ("data: " + json.dumps({"choices": choices}) + "\n\n").encode()
+    def chunk(self, choices, usage=None, with_usage=False, extra=None) -> bytes:
+        return ("data: " + json.dumps({"choices": choices, **(extra or {})}) + "\n\n").encode()
+
+    def retrieval(self):
+        return {}
 
     def logprobs(self, entries):
         return None

@@ -65,12 +65,21 @@ def test_the_best_passages_go_behind_the_cartridge(chat_server: LiveServer, mode
     # `true` asks for the default top 4: the same single passage here; streaming gives the same reply
     default = greedy(client, owner["cartridge"], messages=QUESTION, extra_body={"retrieval": True})
     assert default.choices[0].message.content == reply.choices[0].message.content
-    stream = client.chat.completions.create(model=owner["cartridge"], messages=QUESTION, temperature=0,
-                                            max_tokens=12, stream=True, extra_body={"retrieval": True})
+    # the response names the passages it used: their file, their cartridge and their text
+    cited = reply.model_extra["retrieval"]["passages"]
+    assert [(c["cartridge"], c["file_id"], c["filename"], c["text"]) for c in cited] == [
+        (owner["cartridge"], owner["files"][1], "ferry.txt", passages[0])]
+    assert cited[0]["score"] > 0
+    stream = list(client.chat.completions.create(model=owner["cartridge"], messages=QUESTION, temperature=0,
+                                                 max_tokens=12, stream=True, extra_body={"retrieval": True}))
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
-    # without retrieval the prompt is the question alone
+    # streamed, on the first chunk only
+    assert stream[0].model_extra["retrieval"]["passages"] == default.model_extra["retrieval"]["passages"]
+    assert all("retrieval" not in c.model_extra for c in stream[1:])
+    # without retrieval the prompt is the question alone, and the response has no such field
     plain = greedy(client, owner["cartridge"], messages=QUESTION)
     assert plain.usage.prompt_tokens == 24 + len(model.encode_chat(QUESTION))
+    assert "retrieval" not in plain.model_extra
 
 
 def test_the_passages_come_before_the_callers_system_message(chat_server: LiveServer, model: cartridges.Model,
@@ -95,6 +104,7 @@ def test_a_question_that_shares_no_word_gets_no_passage(chat_server: LiveServer,
     messages = [{"role": "user", "content": "Why?"}]
     reply = greedy(client, owner["cartridge"], messages=messages, extra_body={"retrieval": True})
     assert reply.usage.prompt_tokens == 24 + len(model.encode_chat(messages))
+    assert reply.model_extra["retrieval"] == {"passages": []}
 
 
 def test_bad_retrieval_requests(chat_server: LiveServer, owner: dict) -> None:
@@ -136,6 +146,7 @@ def test_the_cli_chat_asks_for_retrieval(chat_server: LiveServer, owner: dict) -
                 "1", "--max-tokens", "6", "--temperature", "0", stdin=f"{question}\n/exit\n")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == expected.choices[0].message.content.strip()
+    assert "(passages: ferry.txt)" in done.stderr  # where the passage came from, beside the reply
     local = chat("--retrieval", stdin="")
     assert local.returncode == 2 and "--retrieval is for --server" in local.stderr
     too_many = chat("--server", chat_server.url, "--api-key", owner["key"], "--retrieval", "17", stdin="")

@@ -49,9 +49,20 @@ def test_search_ranks_by_bm25_and_leaves_out_passages_without_a_shared_word() ->
     assert retriever.search_many(["goats", "bell"], k=3) == [[chunks[1]], [chunks[2]]]
 
 
+def test_hits_carry_their_score_and_source() -> None:
+    retriever = Retriever(["ferry goats goats", "ferry", "bell"], sources=[0, 0, 1])
+    hits = retriever.hits("goats ferry", k=3)
+    assert [h.text for h in hits] == ["ferry goats goats", "ferry"] and [h.source for h in hits] == [0, 0]
+    assert hits[0].score > hits[1].score > 0
+    assert retriever.hits("bell")[0].source == 1
+    with pytest.raises(ValueError, match="2 sources for 3 chunks"):
+        Retriever(["a", "b", "c"], sources=[0, 1])
+
+
 def test_from_texts_never_joins_two_texts_in_a_chunk() -> None:
     retriever = Retriever.from_texts(WordTokenizer(), ["alpha beta", "gamma delta"], chunk_tokens=100)
-    assert retriever.chunks == ["alpha beta", "gamma delta"]
+    assert retriever.chunks == ["alpha beta", "gamma delta"] and retriever.sources == [0, 1]
+    assert [h.source for h in retriever.hits("delta")] == [1]
     with pytest.raises(ValueError, match="no chunks"):
         Retriever.from_texts(WordTokenizer(), ["", "\n\n"])
 

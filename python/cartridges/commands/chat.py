@@ -170,10 +170,15 @@ def _run_server(args: argparse.Namespace) -> int:
         try:
             with client.chat.completions.create(model=model, messages=messages, stream=True,  # type: ignore[call-overload]
                                                 **options) as stream:
+                sources: list[str] = []
                 for chunk in stream:
+                    sources += _passage_files(chunk)
                     for choice in chunk.choices:
                         if choice.index == 0 and choice.delta.content:
                             yield choice.delta.content
+                if args.retrieval is not None:  # on stderr, so that stdout holds the replies alone
+                    found = ", ".join(dict.fromkeys(sources)) or "none matched the message"
+                    print(f"\n(passages: {found})", end="", file=sys.stderr, flush=True)
         except (openai.AuthenticationError, openai.PermissionDeniedError, openai.APIConnectionError) as error:
             raise FatalError(_describe(error, base)) from None
         except openai.APIError as error:
@@ -181,6 +186,12 @@ def _run_server(args: argparse.Namespace) -> int:
 
     with client:
         return _loop(args.system, reply)
+
+
+def _passage_files(chunk: Any) -> list[str]:
+    """The files of the passages retrieval put in the prompt, from the stream's first chunk."""
+    retrieval = (chunk.model_extra or {}).get("retrieval") or {}
+    return [p.get("filename") or p.get("file_id", "?") for p in retrieval.get("passages", [])]
 
 
 def _base_url(url: str) -> str:

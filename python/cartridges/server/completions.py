@@ -22,6 +22,7 @@ from cartridges.retrieval import TOP_K, passages_prompt
 from cartridges.server.chat_schemas import ChatCompletionRequest, FilePart, RetrievalOptions
 from cartridges.server.principal import Principal
 from cartridges.server.errors import APIError
+from cartridges.server.passages import Passage
 from cartridges.server.serving import CartridgeUnavailable, Serving
 from cartridges.store import core
 
@@ -44,6 +45,7 @@ class Plan:
     seeds: list[int]
     sampling: dict[str, float] = field(default_factory=dict)
     logit_bias: dict[int, float] = field(default_factory=dict)
+    passages: list[Passage] | None = None  # what retrieval put in the prompt; None: not asked for
 
 
 def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> Plan:
@@ -65,9 +67,10 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
 
     messages = [{"role": "system" if m.role == "developer" else m.role,
                  "content": _content(serving, user, m.content, i)} for i, m in enumerate(body.messages)]
+    passages = None
     if body.retrieval:
         top_k = body.retrieval.top_k if isinstance(body.retrieval, RetrievalOptions) else TOP_K
-        messages = _with_passages(serving, user, records, messages, top_k)
+        messages, passages = _with_passages(serving, user, records, messages, top_k)
     try:
         prompt = model.encode_chat(messages)
         weigh_from = model.conversation_start(messages, prompt)
@@ -103,13 +106,14 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
         sampling={"temperature": 1.0 if body.temperature is None else body.temperature,
                   "top_p": 1.0 if body.top_p is None else body.top_p},
         logit_bias=logit_bias,
+        passages=passages,
     )
 
 
 def _with_passages(serving: Serving, user: Principal, records: list[Any], messages: list[dict[str, str]],
-                   top_k: int) -> list[dict[str, str]]:
+                   top_k: int) -> tuple[list[dict[str, str]], list[Passage]]:
     """The messages with the passages that best match the last user message in a system message
-    in front (a system message of the caller's follows them in the same message)."""
+    in front (a system message of the caller's follows them in the same message), and the passages."""
     if not records:
         raise APIError(400, "`retrieval` searches the training files of the request's cartridges, and it names "
                        "none: give a cartridge as `model` or in `cartridges`, or leave out `retrieval`.",
@@ -117,11 +121,11 @@ def _with_passages(serving: Serving, user: Principal, records: list[Any], messag
     query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
     passages = serving.passages.search(user, records, serving.model.tokenizer, query, top_k) if query.strip() else []
     if not passages:
-        return messages
-    system = passages_prompt(passages)
+        return messages, []
+    system = passages_prompt([p.text for p in passages])
     if messages[0]["role"] == "system":
-        return [{"role": "system", "content": f"{system}\n\n{messages[0]['content']}"}, *messages[1:]]
-    return [{"role": "system", "content": system}, *messages]
+        return [{"role": "system", "content": f"{system}\n\n{messages[0]['content']}"}, *messages[1:]], passages
+    return [{"role": "system", "content": system}, *messages], passages
 
 
 def _content(serving: Serving, user: Principal, content: Any, index: int) -> str:
@@ -207,12 +211,18 @@ class Answer:
                 "finish_reason": _finish_reason(stream),
             })
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices, "usage": self.usage(streams)}
+                "system_fingerprint": None, "choices": choices, "usage": self.usage(streams), **self.retrieval()}
+
+    def retrieval(self) -> dict[str, Any]:
+        """Extension: the passages retrieval put in the prompt, when it was asked for (docs/api.md §4.3)."""
+        if self.plan.passages is None:
+            return {}
+        return {"retrieval": {"passages": [p.citation() for p in self.plan.passages]}}
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
-              with_usage: bool = False) -> bytes:
+              with_usage: bool = False, extra: dict[str, Any] | None = None) -> bytes:
         body: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                                "model": self.model, "system_fingerprint": None, "choices": choices}
+                                "model": self.model, "system_fingerprint": None, "choices": choices, **(extra or {})}
         if with_usage:
             body["usage"] = usage
         return format_sse_event(data_str=json.dumps(body, separators=(",", ":")))
@@ -310,14 +320,14 @@ async def events(streams: list[Stream], answer: Answer, include_usage: bool,
             stream.close()
 
     def one(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
-            finish_reason: str | None = None) -> bytes:
+            finish_reason: str | None = None, extra: dict[str, Any] | None = None) -> bytes:
         return answer.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
-                            with_usage=include_usage)
+                            with_usage=include_usage, extra=extra)
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)] + [asyncio.ensure_future(watch())]
     try:
-        for index in range(len(streams)):
-            yield one(index, {"role": "assistant", "content": ""})
+        for index in range(len(streams)):  # the retrieved passages, once, on the very first chunk
+            yield one(index, {"role": "assistant", "content": ""}, extra=answer.retrieval() if index == 0 else None)
         remaining = len(streams)
         while remaining:
             batch = [await queue.get()]
