@@ -126,7 +126,7 @@ def _path(datablock_id: str) -> str:
 
 
 class _StageBar:
-    """One tqdm bar per progress stage (synthesizing, training), updated from the datablock."""
+    """One tqdm bar per progress stage (compacting, synthesizing, training), updated from the datablock."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled

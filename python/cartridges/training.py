@@ -37,18 +37,19 @@ def spread_tokens(corpus: Corpus, n: int, pieces: int = 8) -> list[int]:
     return [t for start, length in zip(starts, lengths) for t in corpus.tokens[start : start + length]]
 
 
-def init_params(model: Any, corpus: Corpus, config: TrainConfig) -> cartridges_core.CartridgeParams:
+def init_params(model: Any, corpus: Corpus, config: TrainConfig,
+                on_window: Callable[[int, int], object] | None = None) -> cartridges_core.CartridgeParams:
     """The trainable prefix before training: the KV of the first `num_tokens` corpus tokens
     (fewer when the corpus is shorter), of `num_tokens` tokens spread over it ("spread"), the
-    whole corpus' KV compacted by attention matching ("compact"), or of unrelated text
-    repeated to `num_tokens`."""
+    whole corpus' KV compacted by attention matching ("compact", `on_window(done, total)` after
+    each of its windows), or of unrelated text repeated to `num_tokens`."""
     length = min(config.num_tokens, len(corpus)) if config.init in INITS_FROM_CORPUS else config.num_tokens
     if length <= config.num_frozen:
         raise ValueError(f"a cartridge needs more than num_frozen={config.num_frozen} tokens; it would have {length}")
     if config.init == "compact":
         from .selfstudy.compaction import compact_prefix
 
-        prefix = compact_prefix(native_model(model), list(corpus.tokens), config.num_tokens)
+        prefix = compact_prefix(native_model(model), list(corpus.tokens), config.num_tokens, on_window=on_window)
     else:
         if config.init == "corpus":
             tokens = corpus.tokens[: config.num_tokens]
@@ -263,7 +264,8 @@ class _Bar:
             self.close()
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, desc=stage, unit="conv" if stage == "synthesis" else "step", disable=None)
+            unit = {"synthesis": "conv", "compaction": "window"}.get(stage, "step")
+            self.bar = tqdm(total=total, desc=stage, unit=unit, disable=None)
             self.stage = stage
         assert self.bar is not None
         self.bar.n = done
@@ -277,10 +279,26 @@ class _Bar:
             self.bar = None
 
 
-def _compacted(model: Any, corpus: Corpus, config: TrainConfig) -> Cartridge:
+def _compaction_progress(bar: _Bar, cancel: cartridges_core.CancelToken | None) -> Callable[[int, int], None]:
+    """Reports each compacted window as the stage "compaction", and stops between windows once
+    `cancel` is cancelled (TrainingCancelled)."""
+
+    def on_window(done: int, total: int) -> None:
+        bar.update("compaction", done, total)
+        if cancel is not None and cancel.cancelled:
+            raise TrainingCancelled("cancelled during compaction")
+
+    return on_window
+
+
+def _compacted(model: Any, corpus: Corpus, config: TrainConfig, bar: _Bar,
+               cancel: cartridges_core.CancelToken | None) -> Cartridge:
     """objective="compact": the corpus' KV compacted by attention matching, untrained."""
     started = time.perf_counter()
-    params = init_params(model, corpus, config.replace(init="compact"))
+    try:
+        params = init_params(model, corpus, config.replace(init="compact"), _compaction_progress(bar, cancel))
+    finally:
+        bar.close()
     cartridge = Cartridge.from_params(params, model_fingerprint(model), config.to_dict())
     cartridge.stats = {"losses": [], "steps": 0, "cancelled": False, "num_conversations": 0,
                        "num_target_tokens": 0, "synthesis_s": 0.0, "training_s": time.perf_counter() - started,
@@ -308,7 +326,8 @@ def train(
     (joined as `Corpus.from_texts` joins them) or a `Corpus` tokenized already.
 
     `progress` shows a bar (stage, step, loss) in a terminal or notebook; `on_progress(stage,
-    done, total, loss)` is called as well, stage being "synthesis" or "training". With
+    done, total, loss)` is called as well, stage being "compaction" (windows of the corpus
+    compacted, with `init` or `objective` "compact"), "synthesis" or "training". With
     `checkpoint`, synthesis saves its conversations after each batch (CHECKPOINT.synthesis.pt),
     the synthesized data is kept beside it (CHECKPOINT.data.pt) and training state is written
     every `config.checkpoint_every` steps and at the end; `resume` continues from them.
@@ -330,13 +349,13 @@ def train(
         corpus = Corpus.from_texts(model.tokenizer, [texts] if isinstance(texts, str) else texts)
     # The cartridge records what was decided: the number of conversations made, the dtype trained in.
     config = decided_config(config, len(corpus), native)
-    if config.objective == "compact":
-        return _compacted(model, corpus, config)
     bar = _Bar(progress, on_progress)
+    if config.objective == "compact":
+        return _compacted(model, corpus, config, bar, cancel)
     quality = None
     signal = parts = None  # unknown for data made elsewhere
     try:
-        params = init_params(model, corpus, config)
+        params = init_params(model, corpus, config, _compaction_progress(bar, cancel))
         data_path = Path(f"{checkpoint}.data.pt") if checkpoint is not None else None
         synthesis_path = Path(f"{checkpoint}.synthesis.pt") if checkpoint is not None else None
         t0 = time.perf_counter()

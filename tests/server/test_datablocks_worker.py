@@ -70,16 +70,31 @@ def test_a_file_still_processing_is_waited_for(store, tiny_model_dir: Path) -> N
     assert Cartridge.load(store.datablock_cartridge_path(owner, run_id)).quality == quality
 
 
-def test_a_compact_job_trains_nothing_and_succeeds(store, tiny_model_dir: Path) -> None:
+def test_a_compact_job_trains_nothing_and_succeeds(store, tiny_model_dir: Path, monkeypatch) -> None:
+    from cartridges.jobs.progress import JobProgress
+
+    stages = []
+    update = JobProgress.update
+
+    def recorded(self, stage, completed, total, **metrics):
+        stages.append((stage, completed, total))
+        return update(self, stage, completed, total, **metrics)
+
+    monkeypatch.setattr(JobProgress, "update", recorded)
     owner, file_id, run_id = queue_job(store, tiny_model_dir, objective="compact", num_tokens=16)
     store.set_file_processed(owner, file_id, None)
     run_job(run_id, store.data_dir)
+    # the corpus' windows are the progress, then saving
+    assert stages[0] == ("compacting", 0, 0) and stages[-1][0] == "saving"
+    windows = [s for s in stages if s[0] == "compacting" and s[1] > 0]
+    assert windows and windows[-1][1] == windows[-1][2] and [s[1] for s in windows] == list(range(1, len(windows) + 1))
     record = store.get_datablock(owner, run_id)
     assert record.status == "succeeded", (record.error_code, record.error_message)
     metrics = json.loads(record.metrics)
     assert metrics["quality"] is None and metrics["loss"] is None
     cartridge = Cartridge.load(store.datablock_cartridge_path(owner, run_id))
     assert cartridge.num_tokens == 16 and cartridge.config["objective"] == "compact"
+    assert json.loads(record.progress)["stage"] == "done"
 
 
 def test_several_training_files_are_read_in_order_under_their_names(store) -> None:

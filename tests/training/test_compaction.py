@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import cartridges
+import cartridges_core
 from cartridges import TrainConfig
+from cartridges.training import TrainingCancelled
 from cartridges.selfstudy.chunking import Corpus
 from cartridges.selfstudy.compaction import compact_prefix, window_shares
 
@@ -97,6 +99,23 @@ def test_the_compact_objective_trains_nothing(model) -> None:
     assert cartridge.config["objective"] == "compact" and cartridge.num_frozen == 1
     expected = compact_prefix(model.native, CharTokenizer().encode(TEXT), 32)
     assert all(torch.equal(a, b) for a, b in zip(cartridge.values, expected.values))
+
+
+def test_compaction_reports_each_window_and_stops_when_cancelled(model) -> None:
+    """A long corpus' compaction takes minutes: the bar and a job see it window by window
+    (the tiny model's 1,024-token context gives windows of 511 tokens: two for TEXT)."""
+    seen = []
+    cartridges.train(model, TEXT, TrainConfig(objective="compact", num_tokens=32), progress=False,
+                     on_progress=lambda stage, done, total, loss: seen.append((stage, done, total)))
+    assert seen == [("compaction", 1, 2), ("compaction", 2, 2)]
+    cancel = cartridges_core.CancelToken()
+
+    def cancel_after_first(stage, done, total, loss) -> None:
+        cancel.cancel()
+
+    with pytest.raises(TrainingCancelled, match="compaction"):
+        cartridges.train(model, TEXT, TrainConfig(objective="compact", num_tokens=32), progress=False,
+                         cancel=cancel, on_progress=cancel_after_first)
 
 
 def test_the_biases_carry_the_corpus_attention_mass(model) -> None:

@@ -164,7 +164,9 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
     scratch = Path(store.job_dir(owner, run_id))
 
     def on_progress(stage: str, done: int, total: int, loss: float | None) -> bool:
-        if stage == "synthesis":
+        if stage == "compaction":
+            progress.update("compacting", done, total)
+        elif stage == "synthesis":
             # The held-out conversations of the quality report come last; they are not
             # training samples (metrics.quality counts them).
             progress.update("synthesizing", done, total, synthetic_samples=min(done, config.num_samples))
@@ -177,9 +179,10 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
         run_config = config.replace(checkpoint_every=DEFAULT_CHECKPOINT_EVERY)
     distill = config.objective == "distill"
     to_synthesize = config.num_samples + (config.quality_samples or 0) if distill else config.num_samples
-    if config.objective == "compact":  # no steps: one piece of work, then saving
-        to_synthesize = 1
-    progress.update("synthesizing" if distill else "training", 0, to_synthesize)
+    first_stage = "synthesizing" if distill else "training"
+    if config.objective == "compact" or config.init == "compact":  # the corpus' windows, before anything else
+        first_stage, to_synthesize = "compacting", 0
+    progress.update(first_stage, 0, to_synthesize)
     try:
         cartridge = train(model, corpus, run_config, progress=False, checkpoint=scratch / "train.ckpt",
                           resume=True, cancel=cancel, on_progress=on_progress)

@@ -29,6 +29,7 @@ of the corpus is represented. Biases, when asked for, travel with the cartridge
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,12 +64,14 @@ def window_shares(corpus_tokens: int, num_tokens: int, window: int) -> list[tupl
 
 @torch.no_grad()
 def compact_prefix(native: Any, tokens: list[int], num_tokens: int, *, window: int = DEFAULT_WINDOW,
-                   queries: int = DEFAULT_QUERIES, bias: bool = False) -> cartridges_core.KVPrefix:
+                   queries: int = DEFAULT_QUERIES, bias: bool = False,
+                   on_window: Callable[[int, int], object] | None = None) -> cartridges_core.KVPrefix:
     """A `num_tokens`-token KV prefix (float32, keys at positions 0..num_tokens-1) compacted from
     the KV of `tokens` by attention matching. `native`: the C++ model. `bias`: give each kept key
     an attention bias so that the kept keys carry their window's attention mass (off by default:
     it lowered what the compact KV recovers, docs/experiments.md, "Do per-key attention biases
-    help the compact KV?")."""
+    help the compact KV?"). `on_window(done, total)` is called after each window (a 100K-token
+    corpus has 49 of 2,048 tokens, each some seconds); an exception it raises stops the work."""
     config = native.config
     if num_tokens >= len(tokens):
         return native.prefix_from_tokens(torch.tensor(tokens, dtype=torch.long))
@@ -78,7 +81,8 @@ def compact_prefix(native: Any, tokens: list[int], num_tokens: int, *, window: i
     values: list[list[torch.Tensor]] = [[] for _ in range(config.num_layers)]
     biases: list[list[torch.Tensor]] = [[] for _ in range(config.num_layers)]
     slot = 0
-    for start, end, kept in window_shares(len(tokens), num_tokens, window):
+    shares = window_shares(len(tokens), num_tokens, window)
+    for done, (start, end, kept) in enumerate(shares):
         piece = tokens[start:end]
         width, sink = len(piece), [tokens[0]] if start > 0 else []
         first = len(sink)  # the window's first copy starts here
@@ -103,6 +107,8 @@ def compact_prefix(native: Any, tokens: list[int], num_tokens: int, *, window: i
             values[layer].append(torch.stack(layer_values))
             biases[layer].append(torch.stack(layer_biases))
         slot += kept
+        if on_window is not None:
+            on_window(done + 1, len(shares))
     return cartridges_core.KVPrefix([torch.cat(k, 1).contiguous() for k in keys],
                                     [torch.cat(v, 1).contiguous() for v in values],
                                     [torch.cat(b, 1).float().contiguous() for b in biases] if bias else None)

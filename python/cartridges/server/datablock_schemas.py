@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from cartridges.selfstudy.config import TrainConfig
 
 DatablockStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-Stage = Literal["queued", "synthesizing", "training", "saving", "done"]
+Stage = Literal["queued", "compacting", "synthesizing", "training", "saving", "done"]
 MAX_TRAINING_FILES = 100  # docs/api.md §5
 
 
