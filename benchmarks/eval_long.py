@@ -204,6 +204,7 @@ def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split
         "kv": {"corpus_bytes": corpus_tokens * per_token, "cartridge_tokens": cart.num_tokens,
                "cartridge_bytes": cart.nbytes, "ratio": corpus_tokens * per_token / cart.nbytes},
         "config": config.to_dict(),
+        "init_s": train_stats.get("init_s"),
         "synthesis_s": train_stats.get("synthesis_s"),
         "training_s": train_stats.get("training_s"),
         "train_stats": train_stats,

@@ -43,6 +43,8 @@ def init_params(model: Any, corpus: Corpus, config: TrainConfig,
     (fewer when the corpus is shorter), of `num_tokens` tokens spread over it ("spread"), the
     whole corpus' KV compacted by attention matching ("compact", `on_window(done, total)` after
     each of its windows), or of unrelated text repeated to `num_tokens`."""
+    if config.init is None or config.num_tokens is None:
+        config = config.for_corpus(len(corpus))
     length = min(config.num_tokens, len(corpus)) if config.init in INITS_FROM_CORPUS else config.num_tokens
     if length <= config.num_frozen:
         raise ValueError(f"a cartridge needs more than num_frozen={config.num_frozen} tokens; it would have {length}")
@@ -301,7 +303,8 @@ def _compacted(model: Any, corpus: Corpus, config: TrainConfig, bar: _Bar,
         bar.close()
     cartridge = Cartridge.from_params(params, model_fingerprint(model), config.to_dict())
     cartridge.stats = {"losses": [], "steps": 0, "cancelled": False, "num_conversations": 0,
-                       "num_target_tokens": 0, "synthesis_s": 0.0, "training_s": time.perf_counter() - started,
+                       "num_target_tokens": 0, "init_s": time.perf_counter() - started, "synthesis_s": 0.0,
+                       "training_s": 0.0,
                        "quality_s": 0.0, "quality": None, "signal_by_part": None, "held_out_parts": None,
                        "data": None, "held_out": None}
     return cartridge
@@ -355,6 +358,7 @@ def train(
     quality = None
     signal = parts = None  # unknown for data made elsewhere
     try:
+        started = time.perf_counter()
         params = init_params(model, corpus, config, _compaction_progress(bar, cancel))
         data_path = Path(f"{checkpoint}.data.pt") if checkpoint is not None else None
         synthesis_path = Path(f"{checkpoint}.synthesis.pt") if checkpoint is not None else None
@@ -395,6 +399,7 @@ def train(
         "cancelled": result.cancelled,
         "num_conversations": int(data.tokens.shape[0]),
         "num_target_tokens": int(data.topk_ids.shape[0]),
+        "init_s": t0 - started,
         "synthesis_s": t1 - t0,
         "training_s": t2 - t1,
         "quality_s": t3 - t2,

@@ -21,7 +21,10 @@ def _config_argument(parser: argparse.ArgumentParser, name: str, info: Any, summ
     kind = info.annotation
     if typing.get_origin(kind) is not typing.Literal and typing.get_args(kind):  # X | None: X
         kind = next(k for k in typing.get_args(kind) if k is not type(None))
-    if info.default is None:
+    if info.default is None and typing.get_origin(kind) is typing.Literal:
+        parser.add_argument(*flags, dest=name, default=None, choices=typing.get_args(kind),
+                            help=f"{summary} (default: {DECIDED_FROM_CORPUS[name]})")
+    elif info.default is None:
         parser.add_argument(*flags, dest=name, type=kind, default=None, metavar="N",
                             help=f"{summary} (default: {DECIDED_FROM_CORPUS[name]})")
     elif kind is bool:
@@ -96,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
     stats = cartridge.stats
     print(f"wrote {out}: {cartridge.num_tokens} tokens, {cartridge.nbytes / 2**20:.1f} MiB; "
           f"{stats['num_conversations']} conversations, {stats['steps']} steps, final loss "
-          f"{stats['losses'][-1] if stats['losses'] else float('nan'):.4f}; synthesis {stats['synthesis_s']:.0f} s, "
-          f"training {stats['training_s']:.0f} s", file=sys.stderr)
+          f"{stats['losses'][-1] if stats['losses'] else float('nan'):.4f}; initialization {stats['init_s']:.0f} s, "
+          f"synthesis {stats['synthesis_s']:.0f} s, training {stats['training_s']:.0f} s", file=sys.stderr)
     if stats.get("signal_by_part"):
         print("training signal by tenth of the corpus: "
               + " ".join(f"{share:.0%}" for share in stats["signal_by_part"]), file=sys.stderr)

@@ -27,9 +27,11 @@ CORE_TRAINING_FIELDS = ("learning_rate", "anchor", "epochs", "batch_size", "grad
 
 LONG_CORPUS_TOKENS = 8192
 """A corpus longer than this (the default model's context) is trained with the long-corpus plan:
-one epoch instead of two, and a quarter of the written conversations yes/no ones
-(`default_epochs`, `default_verify_fraction`; docs/experiments.md, "Which plan should a corpus
-beyond the context get by default?")."""
+one epoch instead of two, a quarter of the written conversations yes/no ones, and a cartridge
+that starts from the whole corpus' KV compacted by attention matching (`default_epochs`,
+`default_verify_fraction`, `default_init`; docs/experiments.md, "Which plan should a corpus
+beyond the context get by default?" and "Does the compact initialization hold on the held-out
+rulebook under the long-corpus defaults?")."""
 
 # What a field left None gets, in words (the CLI's help and the docs say it).
 DECIDED_FROM_CORPUS = {
@@ -38,6 +40,7 @@ DECIDED_FROM_CORPUS = {
     "quality_samples": "max(8, num_samples / 16), at most 32; 0: no report",
     "epochs": f"2, or 1 for a corpus over {LONG_CORPUS_TOKENS} tokens",
     "verify_fraction": f"0, or 0.25 for a corpus over {LONG_CORPUS_TOKENS} tokens",
+    "init": f"corpus, or compact for a corpus over {LONG_CORPUS_TOKENS} tokens",
 }
 
 
@@ -64,6 +67,12 @@ def default_epochs(corpus_tokens: int) -> int:
     """Passes over the conversations when the config leaves it open: 2, or 1 beyond
     LONG_CORPUS_TOKENS."""
     return 2 if corpus_tokens <= LONG_CORPUS_TOKENS else 1
+
+
+def default_init(corpus_tokens: int) -> str:
+    """Initialization when the config leaves it open: "corpus" (its first tokens), or "compact"
+    beyond LONG_CORPUS_TOKENS, where the first tokens are a small part of the corpus."""
+    return "corpus" if corpus_tokens <= LONG_CORPUS_TOKENS else "compact"
 
 
 def default_verify_fraction(corpus_tokens: int) -> float:
@@ -95,18 +104,20 @@ class TrainConfig(BaseModel):
     token: keeping more of the initialization unchanged (a quarter of the cartridge) lowered
     most of the runs it was tried on (docs/experiments.md, "Does giving each channel its own
     learning rate help, and do warmup or frozen tokens?")."""
-    init: Init = "corpus"
+    init: Init | None = None
     """Where the cartridge's initial KV comes from: "corpus", the KV cache of the first
     num_tokens tokens of the corpus; "spread", of num_tokens corpus tokens taken as 8 evenly
     spaced runs from all over it; "compact", the KV of the whole corpus compacted to num_tokens
     by attention matching (window by window: `cartridges.selfstudy.compaction`); "text", of an
     unrelated built-in text (repeated as needed).
-    The default is "corpus": "spread" started lower and trained to a lower figure
-    (docs/experiments.md, "Which learning rate, teacher window and initialization suit the
-    tuning document?"). On a corpus beyond the context, "compact" trained the atlas' cartridge
-    to 0.63 of the oracle's gain where "corpus" reached 0.42, but the held-out rulebook only to
-    0.43, so the default is unchanged (docs/experiments.md, "How much does attention-matching
-    compaction recover without training?")."""
+    None (the default): "corpus", or "compact" for a corpus over LONG_CORPUS_TOKENS tokens
+    (`default_init`). On a document that fits the context "spread" started lower and trained to
+    a lower figure than "corpus" (docs/experiments.md, "Which learning rate, teacher window and
+    initialization suit the tuning document?"). Beyond the context the first tokens are a small
+    part of the corpus: under the long-corpus plan "compact" trained the tuning atlas' cartridge
+    to 0.55 of the oracle's gain against 0.46 from "corpus", and the rulebook's to 0.55 against
+    0.54, with 0.92 against 0.87 beside retrieved passages (docs/experiments.md, "Does the
+    compact initialization hold on the held-out rulebook under the long-corpus defaults?")."""
     objective: Objective = "distill"
     """What the cartridge is trained toward: "distill", context distillation on synthetic
     conversations (the method); "next_token", plain next-token loss on windows of the corpus
@@ -296,17 +307,20 @@ class TrainConfig(BaseModel):
 
     def for_corpus(self, corpus_tokens: int) -> TrainConfig:
         """This config with what it leaves to the corpus decided for a corpus of `corpus_tokens`
-        tokens: num_tokens, num_samples (and with it quality_samples), epochs and
-        verify_fraction. A cartridge initialized from corpus tokens ("corpus", "spread") is never
+        tokens: num_tokens, num_samples (and with it quality_samples), epochs, verify_fraction
+        and init. A cartridge initialized from corpus tokens ("corpus", "spread") is never
         longer than the corpus. A config decided for a corpus stays as it is when decided again
         for the same one."""
         decided: dict[str, Any] = {}
+        init = default_init(corpus_tokens) if self.init is None else self.init
+        if init != self.init:
+            decided["init"] = init
         if self.epochs is None:
             decided["epochs"] = default_epochs(corpus_tokens)
         if self.verify_fraction is None:
             decided["verify_fraction"] = default_verify_fraction(corpus_tokens)
         num_tokens = default_num_tokens(corpus_tokens) if self.num_tokens is None else self.num_tokens
-        if self.init in INITS_FROM_CORPUS:
+        if init in INITS_FROM_CORPUS:
             num_tokens = min(num_tokens, max(corpus_tokens, self.num_frozen + 1))
         if num_tokens != self.num_tokens:
             decided["num_tokens"] = num_tokens
