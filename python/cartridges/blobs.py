@@ -200,6 +200,19 @@ class DirectoryBlobs(core().BlobMirror):  # type: ignore[misc]
         """The names (as given to upload) of the files under `prefix`."""
         return [name for name, _ in self.listing(prefix)]
 
+    def remove_stale_uploads(self, min_age_s: float) -> int:
+        """Removes the temporary files of uploads that never finished (a server killed while
+        copying a blob) once older than `min_age_s`; returns how many."""
+        now, removed = time.time(), 0
+        for path in self.directory.rglob(".upload-*"):
+            try:
+                if path.is_file() and now - path.stat().st_mtime >= min_age_s:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:  # finished or removed meanwhile
+                pass
+        return removed
+
     def read_range(self, blob_id: str, start: int, end: int) -> Iterator[bytes]:
         """Bytes [start, end) of a blob, in chunks (UnavailableError when it cannot be opened)."""
         try:
@@ -217,9 +230,13 @@ ORPHAN_AGE_S = 3600.0
 def sweep_orphans(mirror: Any, store: Any, min_age_s: float = ORPHAN_AGE_S) -> int:
     """Removes the blob store's objects that no record names and that are older than
     `min_age_s`: uploads whose server died before recording them (a blob is uploaded before it
-    is recorded). Jobs' checkpoints (names with a folder) are not blobs and are left alone.
-    Returns how many were removed."""
+    is recorded), and in a shared directory the temporary files of uploads cut short. Jobs'
+    checkpoints (names with a folder) are not blobs and are left alone. Returns how many were
+    removed."""
     now, removed = time.time(), 0
+    stale_uploads = getattr(mirror, "remove_stale_uploads", None)
+    if stale_uploads is not None:
+        removed += stale_uploads(min_age_s)
     for name, modified in mirror.listing(""):
         if "/" in name or now - modified < min_age_s or store.blob_recorded(name):
             continue

@@ -263,3 +263,29 @@ def test_objects_that_no_record_names_are_swept_once_old(tmp_path: Path, shared_
     assert store.blob_recorded(recorded[0]) and not store.blob_recorded("0123456789abcdef0123456789abcdef")
     assert Path(store.file_content_path(owner, file_id)).read_bytes() == b"recorded"
     store.close()
+
+
+def test_a_shared_directory_sweeps_the_temporary_files_of_uploads_cut_short(tmp_path: Path) -> None:
+    """A server killed while copying a blob into a file:/// store leaves its temporary file: the
+    sweep removes it once old, never one still being written, and no blob."""
+    import os
+
+    from cartridges.blobs import open_blob_mirror, sweep_orphans
+
+    mirror = open_blob_mirror((tmp_path / "shared").as_uri())
+    store = open_store(tmp_path / "data", sync=False, blob_mirror=mirror)
+    owner = core().Owner(store.create_user("alice").id, False)
+    _put(store, owner, b"recorded")
+    recorded = mirror.names("")
+    shared = tmp_path / "shared"
+    (shared / "jobs" / "run1").mkdir(parents=True)
+    stale = [shared / ".upload-abc123", shared / "jobs" / "run1" / ".upload-def456"]
+    fresh = shared / ".upload-ghi789"
+    for path in (*stale, fresh):
+        path.write_bytes(b"half a blob")
+    for path in stale:
+        os.utime(path, (path.stat().st_atime - 7200, path.stat().st_mtime - 7200))
+    assert mirror.names("") == recorded  # never listed as blobs
+    assert sweep_orphans(mirror, store) == 2
+    assert not any(p.exists() for p in stale) and fresh.exists() and mirror.names("") == recorded
+    store.close()
