@@ -163,6 +163,26 @@ def _data_dict(data: cartridges_core.TrainingData) -> dict[str, torch.Tensor]:
     return {n: getattr(data, n) for n in _DATA_FIELDS}
 
 
+_PARAM_FIELDS = ("frozen_keys", "frozen_values", "trainable_keys", "trainable_values")
+
+
+def _starting_params(model: Any, corpus: Corpus, config: TrainConfig, checkpoint: str | os.PathLike[str] | None,
+                     resume: bool, bar: _Bar,
+                     cancel: cartridges_core.CancelToken | None) -> cartridges_core.CartridgeParams:
+    """`init_params`; a compaction (minutes on a long corpus) is kept beside the checkpoint
+    (CHECKPOINT.init.pt, written whole or not at all) so that a resumed run reads it back."""
+    path = Path(f"{checkpoint}.init.pt") if checkpoint is not None and config.init == "compact" else None
+    if resume and path is not None and path.exists():
+        saved = torch.load(path, weights_only=True)
+        return cartridges_core.CartridgeParams(*(saved[name] for name in _PARAM_FIELDS))
+    params = init_params(model, corpus, config, _compaction_progress(bar, cancel))
+    if path is not None:
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({name: [t.clone() for t in getattr(params, name)] for name in _PARAM_FIELDS}, tmp)
+        os.replace(tmp, path)
+    return params
+
+
 def _save_datasets(path: Path, datasets: Datasets) -> None:
     """The synthesized datasets in one file, written whole or not at all (a resume never reads
     half a file)."""
@@ -332,7 +352,8 @@ def train(
     done, total, loss)` is called as well, stage being "compaction" (windows of the corpus
     compacted, with `init` or `objective` "compact"), "synthesis" or "training". With
     `checkpoint`, synthesis saves its conversations after each batch (CHECKPOINT.synthesis.pt),
-    the synthesized data is kept beside it (CHECKPOINT.data.pt) and training state is written
+    the synthesized data is kept beside it (CHECKPOINT.data.pt), so is a compacted
+    initialization (CHECKPOINT.init.pt), and training state is written
     every `config.checkpoint_every` steps and at the end; `resume` continues from them.
     `cancel.cancel()` stops synthesis between batches (TrainingCancelled) and training within a
     step; the cartridge is then the last completed step's.
@@ -359,7 +380,7 @@ def train(
     signal = parts = None  # unknown for data made elsewhere
     try:
         started = time.perf_counter()
-        params = init_params(model, corpus, config, _compaction_progress(bar, cancel))
+        params = _starting_params(model, corpus, config, checkpoint, resume, bar, cancel)
         data_path = Path(f"{checkpoint}.data.pt") if checkpoint is not None else None
         synthesis_path = Path(f"{checkpoint}.synthesis.pt") if checkpoint is not None else None
         t0 = time.perf_counter()

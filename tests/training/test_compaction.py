@@ -93,6 +93,25 @@ def test_a_cartridge_starts_from_the_compact_kv(model) -> None:
     assert torch.equal(cartridges.Cartridge.from_params(params).keys[1], expected.keys[1])
 
 
+def test_a_resumed_run_reads_its_compaction_back(model, tmp_path, monkeypatch) -> None:
+    """The compaction is kept beside the checkpoint: a resumed run does not compute it again
+    (minutes on a long corpus) and trains to the same cartridge."""
+    config = TrainConfig(num_tokens=32, init="compact", num_samples=4, epochs=1, batch_size=2, chunk_tokens=48,
+                         teacher_tokens=96, max_question_tokens=8, max_answer_tokens=8, synthesis_batch_size=2,
+                         top_k=4, quality_samples=0)
+    checkpoint = tmp_path / "run.ckpt"
+    first = cartridges.train(model, TEXT, config, progress=False, checkpoint=checkpoint)
+    assert (tmp_path / "run.ckpt.init.pt").exists()
+
+    def compact_again(*args, **kwargs):
+        raise AssertionError("the compaction was computed again")
+
+    monkeypatch.setattr("cartridges.selfstudy.compaction.compact_prefix", compact_again)
+    again = cartridges.train(model, TEXT, config, progress=False, checkpoint=checkpoint, resume=True)
+    assert all(torch.equal(a, b) for a, b in zip(first.keys, again.keys))
+    assert all(torch.equal(a, b) for a, b in zip(first.values, again.values))
+
+
 def test_the_compact_objective_trains_nothing(model) -> None:
     cartridge = cartridges.train(model, TEXT, TrainConfig(objective="compact", num_tokens=32), progress=False)
     assert cartridge.stats["steps"] == 0 and cartridge.stats["num_conversations"] == 0
