@@ -115,9 +115,10 @@ class TrainConfig(BaseModel):
     a lower figure than "corpus" (docs/experiments.md, "Which learning rate, teacher window and
     initialization suit the tuning document?"). Beyond the context the first tokens are a small
     part of the corpus: under the long-corpus plan "compact" trained the tuning atlas' cartridge
-    to 0.55 of the oracle's gain against 0.46 from "corpus", and the rulebook's to 0.55 against
-    0.54, with 0.92 against 0.87 beside retrieved passages (docs/experiments.md, "Does the
-    compact initialization hold on the held-out rulebook under the long-corpus defaults?")."""
+    to 0.55 of the oracle's gain against 0.46 from "corpus", and tied on the held-out rulebook
+    (0.55 against 0.54) and almanac (0.46 both, its weakest section 0.29 against 0.19)
+    (docs/experiments.md, "Does the compact initialization hold on the held-out rulebook under
+    the long-corpus defaults?" and the entry after it)."""
     objective: Objective = "distill"
     """What the cartridge is trained toward: "distill", context distillation on synthetic
     conversations (the method); "next_token", plain next-token loss on windows of the corpus
