@@ -43,8 +43,7 @@ def init_params(model: Any, corpus: Corpus, config: TrainConfig,
     (fewer when the corpus is shorter), of `num_tokens` tokens spread over it ("spread"), the
     whole corpus' KV compacted by attention matching ("compact", `on_window(done, total)` after
     each of its windows), or of unrelated text repeated to `num_tokens`."""
-    if config.init is None or config.num_tokens is None:
-        config = config.for_corpus(len(corpus))
+    config = config.for_corpus(len(corpus))  # what it leaves open (init, num_tokens), as training decides it
     length = min(config.num_tokens, len(corpus)) if config.init in INITS_FROM_CORPUS else config.num_tokens
     if length <= config.num_frozen:
         raise ValueError(f"a cartridge needs more than num_frozen={config.num_frozen} tokens; it would have {length}")
