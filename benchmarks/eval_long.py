@@ -23,6 +23,7 @@ A bar chart per document (one group of bars per section) goes to --plot-dir.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -160,8 +161,12 @@ def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split
     corpus_tokens = len(Corpus.from_texts(model.tokenizer, [doc.text]))
     cut, cut_tokens = truncated_document(model, doc.text, truncation_budget(model, questions, args.max_reply))
     retrieved = retrieve(model, doc.text, questions)
-    init = Cartridge.from_params(init_params(model, Corpus.from_texts(model.tokenizer, [doc.text]), config),
-                                 model.fingerprint, config.to_dict())
+
+    @functools.cache
+    def initialization() -> Cartridge:  # only when asked for: a long corpus' compaction takes minutes
+        return Cartridge.from_params(init_params(model, Corpus.from_texts(model.tokenizer, [doc.text]), config),
+                                     model.fingerprint, config.to_dict())
+
     runs = {
         "none": lambda: evaluate(model, questions, Condition(), args.max_reply),
         "truncation": lambda: evaluate(model, questions, Condition(system=document_prompt(cut)), args.max_reply),
@@ -170,11 +175,13 @@ def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split
         "oracle": lambda: evaluate_each(
             model, questions, [Condition(system=document_prompt(doc.section_text(q.sections))) for q in questions],
             args.max_reply),
-        "init": lambda: evaluate(model, questions, Condition(prefixes=(init.prefix(model),)), args.max_reply),
+        "init": lambda: evaluate(model, questions, Condition(prefixes=(initialization().prefix(model),)),
+                                 args.max_reply),
     }
     train_stats: dict[str, Any] = {}
-    cart = init
-    if not args.baselines_only:
+    if args.baselines_only:
+        cart = initialization()
+    else:
         cart, train_stats = get_cartridge(model, doc.name, doc.text, config, args.cartridge_dir)
         prefix = cart.prefix(model)
         runs["cartridge"] = lambda: evaluate(model, questions, Condition(prefixes=(prefix,)), args.max_reply)
