@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -182,6 +184,43 @@ def _starting_params(model: Any, corpus: Corpus, config: TrainConfig, checkpoint
     return params
 
 
+class CheckpointMismatch(ValueError):
+    """A resume found checkpoint files made for another model, corpus or config."""
+
+
+def _checkpoint_key(model: Any, corpus: Corpus, config: TrainConfig) -> str:
+    """What a run's checkpoint files depend on: the model, the corpus' tokens and the config as
+    asked (before what it leaves open is decided: the training dtype may be decided otherwise
+    on another machine, which changes none of the files), less the checkpoint cadence."""
+    fields = config.to_dict()
+    fields.pop("checkpoint_every", None)
+    digest = hashlib.sha256(json.dumps([model_fingerprint(model), fields], sort_keys=True).encode())
+    digest.update(torch.tensor(corpus.tokens, dtype=torch.int64).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _claim_checkpoint(checkpoint: str | os.PathLike[str], key: str, resume: bool) -> None:
+    """CHECKPOINT.key records what the checkpoint files beside it were made from. A resume
+    whose model, corpus or config differ stops with a clear error instead of mixing that run's
+    conversations, initialization or optimizer state into this one; a checkpoint without the
+    file (made before it existed) is trusted as before. A run without resume removes the files
+    of an earlier one first."""
+    path = Path(f"{checkpoint}.key")
+    if resume and path.exists():
+        saved = path.read_text().strip()
+        if saved != key:
+            raise CheckpointMismatch(
+                f"the checkpoint {checkpoint} was made for another model, corpus or config; "
+                "train with the same ones to resume it, or without resume (or with another checkpoint path) to start over")
+        return
+    if not resume:  # a run that starts over leaves nothing of an earlier one for a later resume to trust
+        for stale in (Path(checkpoint), *(Path(f"{checkpoint}.{kind}.pt") for kind in ("init", "synthesis", "data"))):
+            stale.unlink(missing_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(key + "\n")
+    os.replace(tmp, path)
+
+
 def _save_datasets(path: Path, datasets: Datasets) -> None:
     """The synthesized datasets in one file, written whole or not at all (a resume never reads
     half a file)."""
@@ -353,7 +392,9 @@ def train(
     `checkpoint`, synthesis saves its conversations after each batch (CHECKPOINT.synthesis.pt),
     the synthesized data is kept beside it (CHECKPOINT.data.pt), so is a compacted
     initialization (CHECKPOINT.init.pt), and training state is written
-    every `config.checkpoint_every` steps and at the end; `resume` continues from them.
+    every `config.checkpoint_every` steps and at the end; `resume` continues from them, and
+    stops with `CheckpointMismatch` if they were made for another model, corpus or config
+    (CHECKPOINT.key records which).
     `cancel.cancel()` stops synthesis between batches (TrainingCancelled) and training within a
     step; the cartridge is then the last completed step's.
     `data` reuses training data made earlier (`prepare_data`, or `stats["data"]` of an earlier
@@ -371,10 +412,12 @@ def train(
     else:
         corpus = Corpus.from_texts(model.tokenizer, [texts] if isinstance(texts, str) else texts)
     # The cartridge records what was decided: the number of conversations made, the dtype trained in.
-    config = decided_config(config, len(corpus), native)
+    asked, config = config, decided_config(config, len(corpus), native)
     bar = _Bar(progress, on_progress)
     if config.objective == "compact":
         return _compacted(model, corpus, config, bar, cancel)
+    if checkpoint is not None:
+        _claim_checkpoint(checkpoint, _checkpoint_key(model, corpus, asked), resume)
     quality = None
     signal = parts = None  # unknown for data made elsewhere
     try:

@@ -12,7 +12,7 @@ import torch
 import cartridges
 import cartridges_core
 from cartridges import TrainConfig
-from cartridges.training import TrainingCancelled
+from cartridges.training import CheckpointMismatch, TrainingCancelled
 from cartridges.selfstudy.chunking import Corpus
 from cartridges.selfstudy.compaction import compact_prefix, window_shares
 
@@ -93,12 +93,16 @@ def test_a_cartridge_starts_from_the_compact_kv(model) -> None:
     assert torch.equal(cartridges.Cartridge.from_params(params).keys[1], expected.keys[1])
 
 
+# A run small enough to train in seconds, from the compaction, with checkpoints.
+SMALL_COMPACT_RUN = TrainConfig(num_tokens=32, init="compact", num_samples=4, epochs=1, batch_size=2, chunk_tokens=48,
+                                teacher_tokens=96, max_question_tokens=8, max_answer_tokens=8, synthesis_batch_size=2,
+                                top_k=4, quality_samples=0)
+
+
 def test_a_resumed_run_reads_its_compaction_back(model, tmp_path, monkeypatch) -> None:
     """The compaction is kept beside the checkpoint: a resumed run does not compute it again
     (minutes on a long corpus) and trains to the same cartridge."""
-    config = TrainConfig(num_tokens=32, init="compact", num_samples=4, epochs=1, batch_size=2, chunk_tokens=48,
-                         teacher_tokens=96, max_question_tokens=8, max_answer_tokens=8, synthesis_batch_size=2,
-                         top_k=4, quality_samples=0)
+    config = SMALL_COMPACT_RUN
     checkpoint = tmp_path / "run.ckpt"
     first = cartridges.train(model, TEXT, config, progress=False, checkpoint=checkpoint)
     assert (tmp_path / "run.ckpt.init.pt").exists()
@@ -110,6 +114,28 @@ def test_a_resumed_run_reads_its_compaction_back(model, tmp_path, monkeypatch) -
     again = cartridges.train(model, TEXT, config, progress=False, checkpoint=checkpoint, resume=True)
     assert all(torch.equal(a, b) for a, b in zip(first.keys, again.keys))
     assert all(torch.equal(a, b) for a, b in zip(first.values, again.values))
+
+
+def test_a_resume_refuses_checkpoints_made_for_another_corpus_or_config(model, tmp_path) -> None:
+    """CHECKPOINT.key says what the files beside it were made from: a resume with another
+    corpus or config stops with a clear error rather than training on that run's
+    conversations and compaction; the checkpoint cadence alone may change."""
+    config = SMALL_COMPACT_RUN
+    checkpoint = tmp_path / "run.ckpt"
+    first = cartridges.train(model, TEXT, config, progress=False, checkpoint=checkpoint)
+    assert (tmp_path / "run.ckpt.key").exists()
+    with pytest.raises(CheckpointMismatch, match="another model, corpus or config"):
+        cartridges.train(model, TEXT + " One more sentence.", config, progress=False, checkpoint=checkpoint,
+                         resume=True)
+    with pytest.raises(CheckpointMismatch):
+        cartridges.train(model, TEXT, config.replace(num_tokens=24), progress=False, checkpoint=checkpoint,
+                         resume=True)
+    again = cartridges.train(model, TEXT, config.replace(checkpoint_every=1), progress=False, checkpoint=checkpoint,
+                             resume=True)
+    assert all(torch.equal(a, b) for a, b in zip(first.keys, again.keys))
+    # Without resume the run starts over and the checkpoint is its own from then on.
+    cartridges.train(model, TEXT, config.replace(num_tokens=24), progress=False, checkpoint=checkpoint)
+    cartridges.train(model, TEXT, config.replace(num_tokens=24), progress=False, checkpoint=checkpoint, resume=True)
 
 
 def test_the_compact_objective_trains_nothing(model) -> None:

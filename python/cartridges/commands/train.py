@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from ..cartridge import Cartridge
     from ..selfstudy.chunking import named_texts
     from ..selfstudy.config import TrainConfig, describe
-    from ..training import train
+    from ..training import CheckpointMismatch, train
 
     try:
         config = TrainConfig(**{name: getattr(args, name) for name in TrainConfig.model_fields})
@@ -89,8 +89,12 @@ def run(args: argparse.Namespace) -> int:
     model = load_model_or_report(args.model)
     if model is None:
         return 1
-    cartridge: Cartridge = train(model, texts, config, progress=not args.no_progress,
-                                 checkpoint=args.checkpoint, resume=args.resume)
+    try:
+        cartridge: Cartridge = train(model, texts, config, progress=not args.no_progress,
+                                     checkpoint=args.checkpoint, resume=args.resume)
+    except CheckpointMismatch as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     if out.suffix == ".pt":
         cartridge.export_pt(out)
