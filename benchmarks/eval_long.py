@@ -224,6 +224,27 @@ def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split
     }
 
 
+def joined(earlier: dict, later: dict) -> dict:
+    """One document's figures from two runs on the same questions (--from-json), e.g. the
+    baselines of one and the cartridge of another: the later run's conditions are added to the
+    earlier's, or replace them. An untrained initialization of another config than the later
+    run's is left out, since it would read as the later cartridge's."""
+    if [q["question"] for q in earlier["per_question"]] != [q["question"] for q in later["per_question"]]:
+        raise SystemExit("--from-json: two runs of a document on different questions cannot be joined")
+    drop = set()
+    if "init" in earlier["conditions"] and "init" not in later["conditions"] and any(
+            earlier["config"].get(k) != later["config"].get(k) for k in ("init", "num_tokens", "num_frozen")):
+        drop.add("init")
+        print("--from-json: the earlier run's init is of another config than the later run's; left out",
+              file=sys.stderr)
+    out = {**earlier, **{k: v for k, v in later.items() if v is not None}}
+    for key in ("conditions", "by_section", "recovered"):
+        out[key] = {**{c: v for c, v in earlier[key].items() if c not in drop}, **later[key]}
+    out["per_question"] = [{**{c: v for c, v in a.items() if c not in drop}, **b}
+                           for a, b in zip(earlier["per_question"], later["per_question"])]
+    return out
+
+
 def print_tables(name: str, d: dict) -> None:
     """Markdown tables of one document: overall, by kind, by section."""
     conds = list(d["conditions"])
@@ -310,7 +331,8 @@ def main() -> int:
                         "always run)")
     parser.add_argument("--plot-dir", type=Path, default=Path("docs/images"), help="where the bar charts go")
     parser.add_argument("--from-json", nargs="+", type=Path, metavar="JSON",
-                        help="no evaluation: the tables and charts of earlier runs' --out files, together")
+                        help="no evaluation: the tables and charts of earlier runs' --out files, together (runs of "
+                        "one document are joined: the later one's conditions added to the earlier one's)")
     args = parser.parse_args()
     unknown = set(args.conditions) - set(CONDITIONS)
     if unknown:
@@ -324,7 +346,8 @@ def main() -> int:
                 d["by_section"] = {c: {int(k): v for k, v in secs.items()} for c, secs in d["by_section"].items()}
                 for rec in d["recovered"].values():
                     rec["by_section"] = {int(k): v for k, v in rec["by_section"].items()}
-                report["documents"][name] = d
+                known = report["documents"].get(name)
+                report["documents"][name] = d if known is None else joined(known, d)
         for name, d in report["documents"].items():
             print_tables(name, d)
             print(f"plot: {plot(name, d, args.plot_dir)}", file=sys.stderr)
