@@ -164,6 +164,10 @@ def test_unsafe_filenames(server: LiveServer, user_key: str, raw: bytes, expecte
         ("bad.pdf", b"%PDF-1.4\nthis is not really a pdf", "PDF"),
         ("truncated.pdf", make_pdf("cut short")[:120], "PDF"),
         ("latin1.json", '{"a": "caf\u00e9"}'.encode("latin-1"), "not valid UTF-8"),
+        # What Python's own parser refuses beyond syntax: the file fails, it never stays pending.
+        ("huge_number.json", b'{"n": ' + b"9" * 5000 + b"}", "unsupported JSON"),
+        ("deep.json", b"[" * 200_000 + b"]" * 200_000, "unsupported JSON: nested too deeply"),
+        ("deep.jsonl", b'{"ok": 1}\n' + b"[" * 200_000 + b"]" * 200_000 + b"\n", "line 2"),
     ],
 )
 def test_unreadable_content_ends_in_error(server: LiveServer, user_key: str, name: str, content: bytes, reason: str) -> None:

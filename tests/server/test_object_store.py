@@ -191,8 +191,19 @@ def test_an_object_store_outage_is_a_503_and_unhealthy_until_it_is_back(tmp_path
             key = replica.add_user("alice")
             files = replica.openai(key).files
             kept = files.create(file=("kept.txt", b"kept"), purpose="assistants")
+            cached = replica.blob_names()
+            with Client(replica.url, key) as client:
+                document = upload_text(replica.openai(key), DOCUMENT)
+                block = client.datablocks.train([document], name="handbook", config=TINY_TRAIN_CONFIG)
+                assert client.datablocks.wait(block["id"], timeout=180, poll_interval=0.2,
+                                              progress=False)["status"] == "succeeded"
+            for name in replica.blob_names() - cached:  # the cartridge only in the object store
+                (replica.data_dir / "blobs" / name).unlink()
 
             s3.stop()
+            chat = replica.http(key).post("/v1/chat/completions", json={
+                "model": block["id"], "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+            assert chat.status_code == 503 and chat.json()["error"]["code"] == "unavailable", chat.text
             refused = replica.http(key).post("/v1/files", files={"file": ("new.txt", b"new")},
                                              data={"purpose": "assistants"})
             assert refused.status_code == 503, refused.text
@@ -200,7 +211,7 @@ def test_an_object_store_outage_is_a_503_and_unhealthy_until_it_is_back(tmp_path
             health = replica.http(None).get("/health")
             assert health.status_code == 503 and "object store" in health.json()["reason"]
             # Nothing half-made: the refused upload left no record and no local file.
-            assert [f.id for f in files.list()] == [kept.id]
+            assert {f.id for f in files.list()} == {kept.id, document}
             assert replica.tmp_names() == []
             assert files.content(kept.id).read() == b"kept"  # in this replica's cache
             assert replica.alive()

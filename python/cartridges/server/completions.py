@@ -27,7 +27,7 @@ from cartridges.server.serving import CartridgeUnavailable, Serving
 from cartridges.store import core
 
 log = logging.getLogger("cartridges.server")
-FILE_WAIT_S = 30.0  # a file part still being processed is waited for this long
+FILE_WAIT_S = 30.0  # file parts still being processed are waited for this long, all of a request's together
 
 
 @dataclass
@@ -65,8 +65,9 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
         prefixes.append(prefix)
         cartridge_tokens += prefix.num_tokens
 
+    files_deadline = time.monotonic() + FILE_WAIT_S
     messages = [{"role": "system" if m.role == "developer" else m.role,
-                 "content": _content(serving, user, m.content, i)} for i, m in enumerate(body.messages)]
+                 "content": _content(serving, user, m.content, i, files_deadline)} for i, m in enumerate(body.messages)]
     passages = None
     if body.retrieval:
         top_k = body.retrieval.top_k if isinstance(body.retrieval, RetrievalOptions) else TOP_K
@@ -128,19 +129,19 @@ def _with_passages(serving: Serving, user: Principal, records: list[Any], messag
     return [{"role": "system", "content": system}, *messages], passages
 
 
-def _content(serving: Serving, user: Principal, content: Any, index: int) -> str:
+def _content(serving: Serving, user: Principal, content: Any, index: int, deadline: float) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
     for part in content:
-        texts.append(_file_text(serving, user, part.file.file_id, index) if isinstance(part, FilePart) else part.text)
+        texts.append(_file_text(serving, user, part.file.file_id, index, deadline) if isinstance(part, FilePart)
+                     else part.text)
     return "\n\n".join(texts)
 
 
-def _file_text(serving: Serving, user: Principal, file_id: str, index: int) -> str:
+def _file_text(serving: Serving, user: Principal, file_id: str, index: int, deadline: float) -> str:
     param = f"messages[{index}].content"
     try:
-        deadline = time.monotonic() + FILE_WAIT_S
         record = serving.store.get_file(user.owner, file_id)
         while record.status == "uploaded" and time.monotonic() < deadline:
             time.sleep(0.1)

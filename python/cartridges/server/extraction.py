@@ -17,6 +17,8 @@ from cartridges.server.uploads import file_extension
 log = logging.getLogger("cartridges.server")
 
 READ_CHUNK = 1 << 20
+# A file whose extraction found the store unavailable is tried again after this long.
+RETRY_UNAVAILABLE_S = 5.0
 
 
 class ExtractionError(Exception):
@@ -75,7 +77,13 @@ def _json_text(text: str) -> str:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ExtractionError(f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except (ValueError, RecursionError) as exc:  # an integer of thousands of digits, nesting too deep
+        raise ExtractionError(f"unsupported JSON: {_parser_limit(exc)}") from None
     return json.dumps(value, indent=2, ensure_ascii=False)
+
+
+def _parser_limit(exc: Exception) -> str:
+    return "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
 
 
 def _jsonl_text(text: str) -> str:
@@ -87,6 +95,8 @@ def _jsonl_text(text: str) -> str:
             records.append(json.dumps(json.loads(line), ensure_ascii=False))
         except json.JSONDecodeError as exc:
             raise ExtractionError(f"invalid JSON on line {number}: {exc.msg} at column {exc.colno}") from None
+        except (ValueError, RecursionError) as exc:
+            raise ExtractionError(f"unsupported JSON on line {number}: {_parser_limit(exc)}") from None
     if not records:
         raise ExtractionError("JSONL file has no records")
     return "\n".join(records)
@@ -162,11 +172,16 @@ class Extractor:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def _run(self) -> None:
+        from cartridges.store import core
+
         loop = asyncio.get_running_loop()
         while True:
             file_id = await self._queue.get()
             try:
                 await loop.run_in_executor(self._executor, self.process, file_id)
+            except core().UnavailableError as exc:  # the database or blob store away: try again later
+                log.warning("text extraction of %s waits for the store: %s", file_id, exc)
+                loop.call_later(RETRY_UNAVAILABLE_S, self.submit, file_id)
             except Exception:
                 log.exception("text extraction failed for %s", file_id)
 
@@ -181,6 +196,11 @@ class Extractor:
                 text = extract_text(path, record.filename)
             except ExtractionError as exc:
                 self._store.set_file_error(self._owner, file_id, str(exc))
+                return
+            except Exception as exc:  # a parser's own failure on hostile content: the file fails, never stays pending
+                log.exception("text extraction of %s failed", file_id)
+                self._store.set_file_error(self._owner, file_id,
+                                           f"could not extract text ({type(exc).__name__}); check the file's format")
                 return
             if text is not None:
                 text = text.encode("utf-8", "replace").decode("utf-8")  # no lone surrogates

@@ -178,6 +178,8 @@ class Serving:
         except c.NotFoundError:  # deleted meanwhile
             raise CartridgeUnavailable(APIError(404, f"No cartridge '{record.id}'.", code="model_not_found",
                                                 param=param)) from None
+        except c.UnavailableError:
+            raise  # the blob store away: a 503 (errors.py), not a damaged file
         except (CartridgeFileError, c.StoreError) as error:
             log.error("cartridge %s could not be read: %s", record.id, error)
             reason = error.reason if isinstance(error, CartridgeFileError) else "its file is damaged"
