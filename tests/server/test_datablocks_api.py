@@ -136,6 +136,7 @@ def test_every_bad_input_is_answered(jobs_server: LiveServer) -> None:
         "config out of range": ({"training_file": good, "config": {"epochs": 0}}, 400, "invalid_value"),
         "config bad choice": ({"training_file": good, "config": {"init": "zeros"}}, 400, "invalid_value"),
         "config not an object": ({"training_file": good, "config": [1]}, 400, "invalid_value"),
+        "config beyond 32 bits": ({"training_file": good, "config": {"num_tokens": 2**63}}, 400, "invalid_value"),
         "bad project name": ({"training_file": good, "name": "a b"}, 400, "invalid_value"),
         "long project name": ({"training_file": good, "name": "x" * 65}, 400, "invalid_value"),
         "other base model": ({"training_file": good, "model": "llama-70b"}, 400, "model_not_found"),
@@ -150,6 +151,10 @@ def test_every_bad_input_is_answered(jobs_server: LiveServer) -> None:
         assert (response.status_code, response.json()["error"]["param"]) == (400, param), response.text
     assert _bad(jobs_server, key, "POST", train, content=b"{oops", headers={"Content-Type": "application/json"}) == (
         400, "invalid_json")
+    for infinite in (b"Infinity", b"-Infinity", b"NaN"):  # Python's JSON reads them; a config never holds them
+        body = b'{"training_file": "' + good.encode() + b'", "config": {"learning_rate": ' + infinite + b"}}"
+        assert _bad(jobs_server, key, "POST", train, content=body, headers={"Content-Type": "application/json"}) == (
+            400, "invalid_value"), infinite
     assert _bad(jobs_server, key, "GET", "/v1/datablocks", params={"status": "done"})[0] == 400
     assert _bad(jobs_server, key, "GET", "/v1/datablocks", params={"limit": 0})[0] == 400
     assert _bad(jobs_server, key, "GET", "/v1/datablocks", params={"order": "up"})[0] == 400

@@ -46,11 +46,19 @@ def test_the_learning_rate_has_one_name_and_reads_its_old_one():
     ({"learning_rate": 0}, "learning_rate"),
     ({"written_fraction": 1.5}, "written_fraction"),
     ({"num_epochs": 2}, "num_epochs"),
+    ({"learning_rate": float("inf")}, "learning_rate"),  # JSON as Python reads it holds Infinity and NaN
+    ({"answer_temperature": float("nan")}, "answer_temperature"),
+    ({"num_tokens": 2**31}, "num_tokens"),  # past the core's 32-bit counts
+    ({"seed": 2**63}, "seed"),  # past its 64-bit seed
 ])
 def test_bad_values_are_refused_naming_the_field(values, field):
     with pytest.raises(ValidationError) as error:
         TrainConfig.model_validate(values)
     assert describe(error.value).startswith(f"{field}: ")
+
+
+def test_a_seed_may_use_64_bits():
+    assert TrainConfig(seed=2**40).seed == 2**40
 
 
 def test_rules_across_fields():

@@ -10,7 +10,8 @@ import math
 import re
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 Init = Literal["corpus", "spread", "compact", "text"]
 Objective = Literal["distill", "next_token", "compact"]
@@ -87,7 +88,7 @@ class TrainConfig(BaseModel):
     out of range are refused with a pydantic `ValidationError`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True,
-                              populate_by_name=True)
+                              populate_by_name=True, allow_inf_nan=False)
 
     # The cartridge
     num_tokens: int | None = Field(None, ge=1)
@@ -292,6 +293,19 @@ class TrainConfig(BaseModel):
             if isinstance(num_samples, int) and not isinstance(num_samples, bool) and num_samples >= 1:
                 data = {**data, "quality_samples": default_quality_samples(num_samples)}
         return data
+
+    @field_validator("*")
+    @classmethod
+    def _integers_the_core_takes(cls, value: Any, info: ValidationInfo) -> Any:
+        """Counts fit the C++ core's 32-bit ones, the seed its 64-bit one: a larger value is a
+        clear error here, not an overflow there."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            low, high = (-(2**63), 2**63 - 1) if info.field_name == "seed" else (-(2**31), 2**31 - 1)
+            if value > high:
+                raise ValueError(f"Input should be at most {high}")
+            if value < low:
+                raise ValueError(f"Input should be at least {low}")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:

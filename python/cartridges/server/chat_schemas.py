@@ -161,6 +161,8 @@ class ChatCompletionRequest(BaseModel):
         for token, value in (bias or {}).items():
             if not (token.isascii() and token.strip().isdigit()):  # "²" and "５" are digits to isdigit
                 raise ValueError(f"keys must be token ids (non-negative integers as strings), got {token!r}")
+            if len(token.strip()) > 10:  # no vocabulary reaches 10 digits; int() refuses 4,300
+                raise ValueError(f"token id {token.strip()[:12]}... is outside any vocabulary")
             if not -100 <= value <= 100:
                 raise ValueError(f"values must be in [-100, 100], got {value} for token {token}")
         return bias
