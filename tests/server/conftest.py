@@ -162,8 +162,9 @@ def start_server(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs: 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """One server for the API tests, with a 1 MiB upload limit."""
-    live = start_server(tmp_path_factory, "shared", max_upload_bytes=SMALL_LIMIT)
+    """One server for the API tests, with 1 MiB limits on uploads and on other request bodies."""
+    live = LiveServer(tmp_path_factory.mktemp("shared") / "data", SMALL_LIMIT,
+                      env={"CARTRIDGES_MAX_REQUEST_BYTES": str(SMALL_LIMIT)}).start()
     try:
         yield live
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -105,6 +106,27 @@ def test_size_limit(server: LiveServer, user_key: str) -> None:
     assert_error(response, 413, "file_too_large")
     assert [f["filename"] for f in server.http(user_key).get("/v1/files").json()["data"]] == ["exact.txt"]
     assert server.tmp_names() == []
+
+
+def test_a_body_over_the_request_limit_is_refused_before_it_is_parsed(server: LiveServer, user_key: str) -> None:
+    """FastAPI reads a JSON body whole before the key is checked: past the request limit it is
+    refused, with or without a key, whether its length is declared or it streams in chunks."""
+    json_type = {"Content-Type": "application/json"}
+    big = json.dumps({"model": "x", "messages": [{"role": "user", "content": "a" * SMALL_LIMIT}]}).encode()
+    for key in (None, user_key):
+        error = assert_error(server.http(key).post("/v1/chat/completions", content=big, headers=json_type), 413,
+                             "request_too_large")
+        assert "POST /v1/files" in error["message"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        for _ in range(8):
+            yield b"a" * (SMALL_LIMIT // 4)
+
+    assert_error(server.http(user_key).post("/v1/datablocks/train", content=chunks(), headers=json_type), 413,
+                 "request_too_large")
+    # Within the limit the request is read and answered as usual.
+    small = json.dumps({"model": "x", "messages": [{"role": "user", "content": "a" * (SMALL_LIMIT // 2)}]})
+    assert server.http(user_key).post("/v1/chat/completions", content=small, headers=json_type).status_code == 404
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from cartridges import __version__
 from cartridges.jobs import Supervisor
 from cartridges.server import keys
+from cartridges.server.body_limit import RequestBodyLimit
 from cartridges.server.errors import install_error_handlers, strip_default_422
 from cartridges.server.extraction import Extractor
 from cartridges.server.metrics import Metrics, RequestCounter
@@ -141,6 +142,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.store_unavailable = None  # why the store could not be opened yet
     app.state.metrics = Metrics()
     app.state.metrics.attach(app)
+    app.add_middleware(RequestBodyLimit, limit=settings.max_request_bytes)
     app.add_middleware(RequestCounter, metrics=app.state.metrics)
     install_error_handlers(app)
     for prefix in API_PREFIXES:

@@ -163,7 +163,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         message = {404: "Not found.", 405: "Method not allowed."}.get(exc.status_code, str(exc.detail))
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+        return error_response(exc.status_code, message, code=getattr(exc, "code", None),
+                              headers=getattr(exc, "headers", None))
 
     async def on_not_found(request: Request, exc: Exception) -> JSONResponse:
         return error_response(404, str(exc), param=None)

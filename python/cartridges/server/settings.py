@@ -17,6 +17,8 @@ from ..store import BLOB_URL_ENV, DATABASE_URL_ENV
 MiB = 1 << 20
 # docs/api.md §5: the largest file an upload may carry.
 MAX_UPLOAD_BYTES = 512 * MiB
+# docs/api.md §1: the largest body of any other request (a chat, a training request).
+MAX_REQUEST_BYTES = 32 * MiB
 
 # Field name → environment variable.
 ENV_VARS = {
@@ -27,6 +29,7 @@ ENV_VARS = {
     "blob_url": BLOB_URL_ENV,
     "model": "CARTRIDGES_MODEL",
     "max_upload_bytes": "CARTRIDGES_MAX_UPLOAD_BYTES",
+    "max_request_bytes": "CARTRIDGES_MAX_REQUEST_BYTES",
     "api_key": "CARTRIDGES_API_KEY",
     "admin_key": "CARTRIDGES_ADMIN_KEY",
     "max_jobs": "CARTRIDGES_MAX_JOBS",
@@ -72,6 +75,9 @@ class Settings(BaseModel):
     """Base model: a Hugging Face directory or a GGUF file; None is the embedded default model."""
     max_upload_bytes: int = Field(MAX_UPLOAD_BYTES, ge=1)
     """Largest accepted file; a larger upload is refused with 413 while it streams in."""
+    max_request_bytes: int = Field(MAX_REQUEST_BYTES, ge=1)
+    """Largest body of any other request (a chat, a training request); a larger one is refused
+    with 413 before it is parsed, with or without an API key."""
     api_key: str | None = None
     """Key given to user `default` when the store has no users yet (else a fresh one is printed)."""
     admin_key: str | None = None
