@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 import time
@@ -149,3 +150,27 @@ def test_an_unreachable_database_at_start_is_a_clear_error(tmp_path: Path) -> No
     with pytest.raises(core().UnavailableError, match="cannot reach the database"):
         open_store(tmp_path / "data", database_url="postgresql://nobody@127.0.0.1:1/nothing")
     assert time.monotonic() - started < 10
+
+
+def test_the_database_connection_probes_a_silent_peer(tmp_path: Path, postgres_url: str) -> None:
+    """A database cut off by the network sends no reset: TCP keepalives (and the TCP user
+    timeout) make a waiting call fail as unavailable instead of hanging for the kernel's
+    retransmission time. The store's sockets carry the keepalive timer (`ss -o` shows it)."""
+    from urllib.parse import urlsplit
+
+    from cartridges.store import open_store
+
+    store = open_store(tmp_path / "data", sync=False, database_url=postgres_url)
+    try:
+        port = urlsplit(postgres_url).port
+        sockets = subprocess.run(["ss", "-tnopH", "state", "established", f"( dport = :{port} )"],
+                                 capture_output=True, text=True, check=True).stdout.splitlines()
+        ours = [line for line in sockets if f"pid={os.getpid()}," in line]
+        assert ours, sockets
+        # The first probe within keepalives_idle (10 s), not the system's default of two hours.
+        timers = [re.search(r"timer:\(keepalive,(?:(\d+)min)?(\d*\.?\d*)(ms|sec)?", line) for line in ours]
+        assert all(t is not None for t in timers), ours
+        seconds = [int(t[1] or 0) * 60 + float(t[2] or 0) / (1000 if t[3] == "ms" else 1) for t in timers]
+        assert all(s <= 10 for s in seconds), ours
+    finally:
+        store.close()

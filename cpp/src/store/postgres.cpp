@@ -139,10 +139,17 @@ class PgConnection final : public Connection {
       PQfreemem(error);
       throw std::invalid_argument("invalid PostgreSQL URL: " + message);
     }
-    // The URL's own settings win over these defaults (it expands in place of "dbname").
+    // The URL's own settings win over these defaults (it expands in place of "dbname"). A
+    // database cut off by the network (no reset ever arrives) is noticed by TCP keepalives
+    // within about 25 s while a call waits, and by the TCP user timeout while data it sent goes
+    // unacknowledged: the call then fails as UnavailableError (a 503) instead of hanging for
+    // the kernel's retransmission time (15 minutes or more) with the store's lock held.
     const std::string timeout = std::to_string(std::max(1, options.busy_timeout_ms / 1000));
-    const char* keywords[] = {"connect_timeout", "application_name", "dbname", nullptr};
-    const char* values[] = {timeout.c_str(), "cartridges", url.c_str(), nullptr};
+    const std::string user_timeout_ms = std::to_string(std::max(30000, 6 * options.busy_timeout_ms));
+    const char* keywords[] = {"connect_timeout", "application_name", "keepalives", "keepalives_idle",
+                              "keepalives_interval", "keepalives_count", "tcp_user_timeout", "dbname", nullptr};
+    const char* values[] = {timeout.c_str(), "cartridges", "1", "10", "5", "3", user_timeout_ms.c_str(), url.c_str(),
+                            nullptr};
     conn_ = PQconnectdbParams(keywords, values, 1);
     if (!conn_ || PQstatus(conn_) != CONNECTION_OK) {
       std::string message = conn_ ? PQerrorMessage(conn_) : "out of memory";
