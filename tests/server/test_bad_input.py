@@ -130,6 +130,31 @@ def test_a_body_over_the_request_limit_is_refused_before_it_is_parsed(server: Li
 
 
 @pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", '{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+        ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": "a \\udfff b"}]}',
+         "messages[0].content"),
+        ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud83d"]}',
+         "stop[0]"),
+        ("/v1/chat/completions", '{"model": "m", "messages": [], "metadata": {"\\ud800": "x"}}', "metadata"),
+        ("/v1/datablocks/train", '{"training_files": ["file-a", "\\udc00"]}', "training_files[1]"),
+        ("/preload", '["\\ud800"]', "[0]"),
+    ],
+)
+def test_a_lone_surrogate_is_refused_naming_where(server: LiveServer, user_key: str, path: str, body: str,
+                                                   param: str) -> None:
+    """Valid JSON, not text: no UTF-8 encodes it, so it would fail inside the tokenizer or the
+    store (a 500) if it got that far. A pair that makes one character is text."""
+    response = server.http(user_key).post(path, content=body, headers={"Content-Type": "application/json"})
+    assert_error(response, 400, "invalid_value", param)
+    paired = body.replace("\\ud800", "\\ud83d\\ude00").replace("\\udfff", "\\ud83d\\ude00")
+    if paired != body:  # the same request with a whole character gets past the check
+        again = server.http(user_key).post(path, content=paired, headers={"Content-Type": "application/json"})
+        assert again.json().get("error", {}).get("code") != "invalid_value" or again.json()["error"]["param"] != param
+
+
+@pytest.mark.parametrize(
     ("body", "ctype"),
     [
         (b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.txt\"\r\n\r\nabc", "multipart/form-data; boundary=b"),

@@ -13,12 +13,13 @@ from fastapi.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from cartridges.stream import GenerationError
+from cartridges.server.text_route import TextRoute
 from cartridges.server import completions
 from cartridges.server.chat_schemas import ChatCompletionRequest
 from cartridges.server.deps import CurrentUser, MetricsDep, ServingDep
 from cartridges.server.errors import APIError, error_responses
 
-router = APIRouter(tags=["chat"])
+router = APIRouter(tags=["chat"], route_class=TextRoute)
 log = logging.getLogger("cartridges.server")
 
 _STREAM_DOC = {"text/event-stream": {"schema": {"type": "string", "description": "`data: {chat.completion.chunk}` "

@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cartridges.models.default import base_model_id
 from cartridges.selfstudy.config import TrainConfig
+from cartridges.server.text_route import TextRoute
 from cartridges.server.datablock_schemas import (
     MAX_TRAINING_FILES,
     DatablockDeleted,
@@ -31,7 +32,7 @@ from cartridges.server.downloads import blob_response, content_disposition
 from cartridges.server.errors import APIError, error_responses
 from cartridges.server.schemas import list_object
 
-router = APIRouter(tags=["datablocks"])
+router = APIRouter(tags=["datablocks"], route_class=TextRoute)
 
 DatablockId = Annotated[str, Path(description="`<owner>/<project>/<run_id>`, or the bare run id.")]
 

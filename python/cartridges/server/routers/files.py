@@ -8,6 +8,7 @@ from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from cartridges.server.text_route import TextRoute
 from cartridges.server.deps import BlobMirrorDep, CurrentUser, ExtractorDep, SettingsDep, StoreDep
 from cartridges.server.downloads import blob_response, content_disposition
 from cartridges.server.errors import error_responses
@@ -23,7 +24,7 @@ from cartridges.server.file_schemas import (
 from cartridges.server.schemas import list_object
 from cartridges.server.uploads import file_extension, receive_upload
 
-router = APIRouter(tags=["files"])
+router = APIRouter(tags=["files"], route_class=TextRoute)
 
 FileId = Annotated[str, Path(description="The file's id.")]
 

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from cartridges import __version__
+from cartridges.server.text_route import TextRoute
 from cartridges.server.serving_schemas import MAX_PRELOAD_IDS, Health, ModelList, ModelObject
 from cartridges.server.deps import (CurrentUser, MetricsDep, Principal, ServingDep, SettingsDep, StoreDep,
                                    SupervisorDep, bearer_key, get_serving, get_store, principal_for_key)
@@ -19,8 +20,8 @@ from cartridges.cores import cpu_cores
 from cartridges.store import core
 from cartridges.server.serving import CartridgeUnavailable, LoadedCartridge, Serving
 
-router = APIRouter(tags=["models"])  # under /v1 and /api/v1
-root = APIRouter()  # at the root: /health, /preload, /metrics
+router = APIRouter(tags=["models"], route_class=TextRoute)  # under /v1 and /api/v1
+root = APIRouter(route_class=TextRoute)  # at the root: /health, /preload, /metrics
 
 
 def _model_object(serving: Serving, loaded: LoadedCartridge) -> ModelObject:
