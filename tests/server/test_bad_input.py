@@ -154,6 +154,13 @@ def test_a_lone_surrogate_is_refused_naming_where(server: LiveServer, user_key: 
         assert again.json().get("error", {}).get("code") != "invalid_value" or again.json()["error"]["param"] != param
 
 
+@pytest.mark.parametrize("body", [b'{"n": ' + b"9" * 5000 + b"}", b"[" * 100_000 + b"]" * 100_000])
+def test_json_past_the_parsers_limits_is_invalid_json(server: LiveServer, user_key: str, body: bytes) -> None:
+    response = server.http(user_key).post("/v1/chat/completions", content=body,
+                                          headers={"Content-Type": "application/json"})
+    assert_error(response, 400, "invalid_json")
+
+
 @pytest.mark.parametrize(
     ("body", "ctype"),
     [

@@ -27,8 +27,11 @@ class TextRoute(APIRoute):
                 body = await request.body()
                 try:
                     value = json.loads(body) if body else None
-                except (ValueError, RecursionError):
-                    return await handle(request)  # FastAPI answers what does not parse
+                except json.JSONDecodeError:
+                    return await handle(request)  # FastAPI answers a syntax error, with its position
+                except (ValueError, RecursionError) as error:  # valid JSON past the parser's limits
+                    limit = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+                    raise APIError(400, f"The body could not be read as JSON: {limit}.", code="invalid_json") from None
                 where = lone_surrogate(value)
                 if where is not None:
                     raise APIError(400, f"'{where}' is not valid text: it holds a lone UTF-16 surrogate "
