@@ -63,6 +63,7 @@ def test_train_watch_list_delete(jobs_server: LiveServer, alice) -> None:
     assert done["status"] == "succeeded", done
     assert done["progress"]["stage"] == "done"
     assert done["bytes"] > 0 and done["started_at"] and done["finished_at"] >= done["started_at"]
+    assert done["updated_at"] >= done["finished_at"]  # the last write is the one that finished it
     assert done["metrics"]["synthetic_samples"] == 8
     assert done["metrics"]["train_tokens"] > 0 and isinstance(done["metrics"]["loss"], float)
     assert done["model"] == jobs_server.model.name  # type: ignore[union-attr]

@@ -68,6 +68,8 @@ class DatablockObject(BaseModel):
     created_at: int
     started_at: int | None
     finished_at: int | None
+    updated_at: int = Field(description="The record's last write: a running job writes its progress, and a "
+                            "heartbeat every 2 s, so an old one on a `running` datablock means its worker is stuck.")
     progress: Progress
     metrics: Metrics
     num_tokens: int | None = Field(description="Cartridge length in tokens; null while queued when the config "
@@ -97,6 +99,7 @@ class DatablockObject(BaseModel):
             created_at=record.created_at,
             started_at=record.started_at,
             finished_at=record.finished_at,
+            updated_at=record.updated_at,
             progress=Progress(**json.loads(record.progress)),
             metrics=Metrics(**json.loads(record.metrics)),
             num_tokens=record.num_tokens or None,
