@@ -136,10 +136,17 @@ class S3Blobs(core().BlobMirror):  # type: ignore[misc]
         """Bytes [start, end) of a blob, in chunks as they arrive. The request is made before the
         first chunk is asked for, so that an unreachable store fails the call (UnavailableError)
         rather than a response already under way."""
+        from botocore.exceptions import ClientError
+
         try:
             with self._recheck_on_failure():
                 body = self._client.get_object(Bucket=self.bucket, Key=self._key(blob_id),
                                                Range=f"bytes={start}-{end - 1}")["Body"]
+        except ClientError as error:
+            if error.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                # Recorded but gone: lost storage, as download() reports it (a 500), not a 503 to retry.
+                raise core().CorruptError(f"blob {blob_id} is missing from the object store") from None
+            raise unavailable(error) from None
         except Exception as error:
             raise unavailable(error) from None
         return _closing(body.iter_chunks(READ_CHUNK), body)

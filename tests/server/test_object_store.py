@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cartridges import Client
+from cartridges.blobs import open_blob_mirror
 from cartridges.store import BLOB_URL_ENV, DATABASE_URL_ENV, core, open_store
 from s3_server import S3Server
 
@@ -48,14 +49,18 @@ def test_blobs_are_uploaded_fetched_on_first_use_and_removed(tmp_path: Path, s3_
 
     # A blob the object store lost is a CorruptError naming it, not a crash.
     second = _put(store, owner, b"second")
-    lost = _objects(s3_server, s3_blob_url) - local
+    (lost_name,) = _objects(s3_server, s3_blob_url) - local
     bucket, prefix = s3_blob_url[len("s3://"):].split("/", 1)
-    s3_server.client().delete_object(Bucket=bucket, Key=f"{prefix}/{lost.pop()}")
+    s3_server.client().delete_object(Bucket=bucket, Key=f"{prefix}/{lost_name}")
     for path in (tmp_path / "data" / "blobs").iterdir():
         if path.is_file() and path.name not in local:
             path.unlink()
     with pytest.raises(core().CorruptError, match="missing from the object store"):
         store.verify_file(owner, second)
+    # So is a download streamed straight out of the bucket (a 500), not an outage to retry (a 503).
+    mirror = open_blob_mirror(s3_blob_url)
+    with pytest.raises(core().CorruptError, match="missing from the object store"):
+        mirror.read_range(lost_name, 0, 1)
 
     store.delete_file(owner, file_id)
     assert _objects(s3_server, s3_blob_url) == set()
