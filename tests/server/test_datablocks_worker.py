@@ -119,6 +119,7 @@ def test_a_file_that_fails_processing_fails_the_job(store, tiny_model_dir: Path)
     worker.join(timeout=60)
     record = store.get_datablock(owner, run_id)
     assert (record.status, record.error_code) == ("failed", "file_not_processed")
+    assert record.error_message.endswith("could not be processed: not valid UTF-8")  # what to fix
     assert not (Path(store.data_dir) / "jobs" / run_id).exists()
 
 

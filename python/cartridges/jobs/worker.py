@@ -219,7 +219,8 @@ def _training_texts(store: Any, owner: Any, record: Any, progress: Any) -> list[
             if file.status == "processed":
                 break
             if file.status == "error":
-                raise JobFailed("file_not_processed", f"training file '{file_id}' could not be processed")
+                reason = f": {file.status_details}" if file.status_details else ""
+                raise JobFailed("file_not_processed", f"training file '{file_id}' could not be processed{reason}")
             store.get_datablock(owner, record.run_id)  # NotFoundError once deleted: stop waiting
             time.sleep(FILE_WAIT_POLL_S)
         try:
