@@ -204,7 +204,7 @@ def _claim_checkpoint(checkpoint: str | os.PathLike[str], key: str, resume: bool
     whose model, corpus or config differ stops with a clear error instead of mixing that run's
     conversations, initialization or optimizer state into this one; a checkpoint without the
     file (made before it existed) is trusted as before. A run without resume removes the files
-    of an earlier one first."""
+    of an earlier run first (CHECKPOINT itself only when its key is there)."""
     path = Path(f"{checkpoint}.key")
     if resume and path.exists():
         saved = path.read_text().strip()
@@ -214,8 +214,10 @@ def _claim_checkpoint(checkpoint: str | os.PathLike[str], key: str, resume: bool
                 "train with the same ones to resume it, or without resume (or with another checkpoint path) to start over")
         return
     if not resume:  # a run that starts over leaves nothing of an earlier one for a later resume to trust
-        for stale in (Path(checkpoint), *(Path(f"{checkpoint}.{kind}.pt") for kind in ("init", "synthesis", "data"))):
-            stale.unlink(missing_ok=True)
+        for kind in ("init", "synthesis", "data"):
+            Path(f"{checkpoint}.{kind}.pt").unlink(missing_ok=True)
+        if path.exists():  # CHECKPOINT itself only when a key proves it is ours, never a file of the user's
+            Path(checkpoint).unlink(missing_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(key + "\n")
     os.replace(tmp, path)

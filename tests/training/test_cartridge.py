@@ -277,3 +277,54 @@ def test_train_and_chat_commands(model, tmp_path, monkeypatch, capsys):
     assert main(["chat", "--cartridge", str(out)]) == 1
     err = capsys.readouterr().err
     assert "truncated or damaged" in err or "checksum" in err
+
+
+def test_train_command_refuses_what_would_fail_late_or_destroy_a_file(model, tmp_path, monkeypatch, capsys):
+    """Checked before the model loads: a training of hours must not end in a traceback at
+    save time, nor overwrite the user's documents."""
+    import cartridges.model
+    from cartridges.cli import main
+
+    loaded = []
+    monkeypatch.setattr(cartridges.model, "load_model", lambda path=None, **kw: loaded.append(1) or model)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The harbor of Tessel opens at dawn. " * 6)
+    (tmp_path / "empty.md").write_text("  \n")
+    (tmp_path / "bad.pdf").write_bytes(b"%PDF-1.4\nnot really a pdf")
+    base = ["train", str(doc), "--num-tokens", "16", "--num-samples", "2", "--objective", "next_token",
+            "--no-progress"]
+    cases = [
+        (["--out", str(tmp_path / "nodir" / "c.safetensors")], 2, "does not exist"),
+        (["--out", str(doc)], 2, "one of the input files"),
+        (["--out", str(tmp_path)], 2, "is a directory"),
+        (["--out", str(tmp_path / "c.safetensors"), "--checkpoint", str(doc)], 2, "one of the input files"),
+        (["--out", str(tmp_path / "c.safetensors"), "--resume"], 2, "--resume needs --checkpoint"),
+    ]
+    for extra, status, message in cases:
+        assert main(base + extra) == status, extra
+        assert message in capsys.readouterr().err, extra
+    for name, message in (("empty.md", "empty, no text"), ("bad.pdf", "not a readable PDF")):
+        assert main(["train", str(doc), str(tmp_path / name), "--out", str(tmp_path / "c.safetensors")]) == 1
+        assert message in capsys.readouterr().err
+    assert loaded == [] and doc.read_text().startswith("The harbor")  # no model loaded, nothing overwritten
+    assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_a_run_without_resume_never_removes_a_file_it_did_not_write(model, tmp_path):
+    """Starting over removes an earlier run's checkpoint, recognized by its key file, and never a
+    file of the user's that happens to sit at the checkpoint path."""
+    import cartridges
+
+    config = TrainConfig(num_tokens=16, num_samples=2, objective="next_token", checkpoint_every=1)
+    theirs = tmp_path / "notes.ckpt"
+    theirs.write_text("the user's own file")
+    cartridges.train(model, "The harbor of Tessel opens at dawn. " * 6, config, progress=False,
+                     checkpoint=tmp_path / "other.ckpt")
+    assert (tmp_path / "other.ckpt").exists() and (tmp_path / "other.ckpt.key").exists()
+    (tmp_path / "notes.ckpt.data.pt").write_text("stale")  # ours by its name: removed
+    from cartridges.training import _claim_checkpoint
+
+    _claim_checkpoint(theirs, "key", resume=False)
+    assert theirs.read_text() == "the user's own file" and not (tmp_path / "notes.ckpt.data.pt").exists()
+    _claim_checkpoint(tmp_path / "other.ckpt", "key", resume=False)  # our earlier run's: its key says so
+    assert not (tmp_path / "other.ckpt").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import typing
 from pathlib import Path
@@ -51,8 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "joined in order, each under its file name as a heading")
     parser.add_argument("--out", required=True, metavar="CART", help="where to write the cartridge")
     add_model_argument(parser)
-    parser.add_argument("--checkpoint", metavar="PATH", help="keep training state here (and resume from it)")
-    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    parser.add_argument("--checkpoint", metavar="PATH", help="keep training state here (PATH and files beside it "
+                        "named PATH.*); without --resume an earlier run's state there is replaced")
+    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint (needs it)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     summaries = field_summaries()
     for name, info in TrainConfig.model_fields.items():
@@ -60,12 +62,65 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+class InputError(Exception):
+    """A problem with the command's files, found before the model loads: the message says which."""
+
+
 def read_text(path: Path) -> str:
+    """A file's text; InputError naming it when it cannot be read or holds no text."""
     if path.suffix.lower() == ".pdf":
         from pypdf import PdfReader
 
-        return "\n\n".join(page.extract_text() or "" for page in PdfReader(str(path)).pages)
-    return path.read_text(encoding="utf-8", errors="replace")
+        try:
+            text = "\n\n".join(page.extract_text() or "" for page in PdfReader(str(path)).pages)
+        except OSError:
+            raise
+        except Exception as error:  # pypdf raises many types on damaged files
+            raise InputError(f"{path}: not a readable PDF ({error})") from None
+        if not text.strip():
+            raise InputError(f"{path}: no extractable text (a scanned PDF? run OCR on it first)")
+        return text
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise InputError(f"{path}: empty, no text to train on")
+    return text
+
+
+def check_paths(files: list[str], out: str, checkpoint: str | None, resume: bool) -> None:
+    """What would fail only after hours of training, or destroy a file, refused up front."""
+    if resume and checkpoint is None:
+        raise InputError("--resume needs --checkpoint: the path of the training state to continue from")
+    inputs = {Path(f).resolve() for f in files}
+    for flag, value in (("--out", out), ("--checkpoint", checkpoint)):
+        if value is None:
+            continue
+        path = Path(value)
+        if path.resolve() in inputs:
+            raise InputError(f"{flag} {value} is one of the input files; it would be overwritten")
+        if path.is_dir():
+            raise InputError(f"{flag} {value} is a directory; give a file path")
+        parent = path.resolve().parent
+        if not parent.is_dir():
+            raise InputError(f"{flag} {value}: the directory {parent} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise InputError(f"{flag} {value}: the directory {parent} is not writable")
+    if checkpoint is not None and Path(checkpoint).resolve() == Path(out).resolve():
+        raise InputError("--checkpoint and --out name the same file")
+
+
+def save(cartridge: Any, out: Path) -> Path:
+    """Writes the cartridge to `out`; if that fails (a full disk, a directory removed meanwhile),
+    to a temporary file instead, so that the training is not lost: returns where it went."""
+    try:
+        cartridge.export_pt(out) if out.suffix == ".pt" else cartridge.save(out)
+        return out
+    except Exception as error:
+        import tempfile
+
+        fallback = Path(tempfile.gettempdir()) / f"cartridge-{os.getpid()}{out.suffix or '.safetensors'}"
+        print(f"error: cannot write {out} ({error}); writing {fallback} instead", file=sys.stderr)
+        cartridge.export_pt(fallback) if out.suffix == ".pt" else cartridge.save(fallback)
+        return fallback
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,8 +137,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {describe(error)}", file=sys.stderr)
         return 2
     try:
+        check_paths(args.files, args.out, args.checkpoint, args.resume)
+    except InputError as error:  # how the command was called
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
         texts = named_texts([(Path(p).name, read_text(Path(p))) for p in args.files])
-    except OSError as error:
+    except (OSError, InputError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     model = load_model_or_report(args.model)
@@ -95,11 +155,7 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointMismatch as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    if out.suffix == ".pt":
-        cartridge.export_pt(out)
-    else:
-        cartridge.save(out)
+    out = save(cartridge, Path(args.out))
     stats = cartridge.stats
     print(f"wrote {out}: {cartridge.num_tokens} tokens, {cartridge.nbytes / 2**20:.1f} MiB; "
           f"{stats['num_conversations']} conversations, {stats['steps']} steps, final loss "
@@ -113,4 +169,4 @@ def run(args: argparse.Namespace) -> int:
 
         for line in describe_quality(stats["quality"]):
             print(line, file=sys.stderr)
-    return 0
+    return 0 if out == Path(args.out) else 1
