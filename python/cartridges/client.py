@@ -22,6 +22,8 @@ from urllib.parse import quote
 import httpx
 
 TERMINAL = ("succeeded", "failed", "cancelled")
+# wait() rides out a server that cannot be reached or answers 502-504 for this long (a restart).
+WAIT_RETRY_S = 120.0
 
 
 class APIError(Exception):
@@ -59,7 +61,11 @@ class Client:
             except (ValueError, KeyError, TypeError):
                 error = {"message": response.text, "code": None}
             raise APIError(response.status_code, error.get("code"), error.get("message", ""), error.get("param"))
-        return response.json()
+        try:
+            return response.json()
+        except ValueError:  # another service at this address
+            raise APIError(response.status_code, "invalid_response",
+                           f"{response.request.url} answered without JSON: is it a cartridges server?") from None
 
 
 class Datablocks:
@@ -105,12 +111,25 @@ class Datablocks:
              progress: bool = True) -> dict[str, Any]:
         """Polls until the datablock ends (succeeded, failed or cancelled) and returns it; with
         `progress`, a bar per stage shows completed/total, the loss and the time left.
-        TimeoutError after `timeout` seconds."""
+        TimeoutError after `timeout` seconds. A server out of reach, or answering 502-504, is
+        asked again for up to WAIT_RETRY_S (a restart: its jobs resume)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         bar = _StageBar(progress)
+        failing_since = None
         try:
             while True:
-                block = self.retrieve(datablock_id)
+                try:
+                    block = self.retrieve(datablock_id)
+                    failing_since = None
+                except (httpx.TransportError, APIError) as error:
+                    # A server restarting (its jobs resume) or a network blip: keep waiting a while.
+                    if isinstance(error, APIError) and error.status not in (502, 503, 504):
+                        raise
+                    failing_since = failing_since or time.monotonic()
+                    if time.monotonic() - failing_since > WAIT_RETRY_S:
+                        raise
+                    time.sleep(poll_interval)
+                    continue
                 bar.show(block)
                 if block["status"] in TERMINAL:
                     return block

@@ -186,3 +186,34 @@ def test_bootstrap_creates_default_user_once(tmp_path: Path) -> None:
         assert again.getvalue() == "" and len(store.list_keys()) == 1
     finally:
         store.close()
+
+
+def test_datablocks_wait_rides_out_a_server_restart_and_the_cli_names_an_unreachable_server(capsys) -> None:
+    """wait() asks again while the server cannot be reached or answers 503 (a restart), and
+    gives up on any other error; the CLI says which server it could not reach, no traceback."""
+    import httpx
+
+    from cartridges.cli import main
+    from cartridges.client import APIError, Client
+
+    answers = iter([httpx.ConnectError("refused"), httpx.Response(503, json={"error": {"message": "db away"}}),
+                    httpx.Response(200, json={"id": "a/b/c", "status": "succeeded"}),
+                    httpx.Response(404, json={"error": {"message": "No datablock", "code": "not_found"}}),
+                    httpx.Response(200, text="<html>not us</html>")])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    with Client("http://server.invalid", "key") as client:
+        client._http = httpx.Client(base_url="http://server.invalid/v1", transport=httpx.MockTransport(handler))
+        assert client.datablocks.wait("a/b/c", poll_interval=0.01, progress=False)["status"] == "succeeded"
+        with pytest.raises(APIError, match="No datablock"):
+            client.datablocks.wait("a/b/c", poll_interval=0.01, progress=False)
+        with pytest.raises(APIError, match="is it a cartridges server"):
+            client.datablocks.retrieve("a/b/c")
+
+    assert main(["datablocks", "--base-url", "http://127.0.0.1:9", "--api-key", "k", "list"]) == 1
+    assert "cannot reach the server at http://127.0.0.1:9" in capsys.readouterr().err

@@ -34,6 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import httpx
+
     from ..client import APIError, Client
 
     url = args.base_url or os.environ.get("CARTRIDGES_BASE_URL") or DEFAULT_URL
@@ -52,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
             if args.action == "train":
                 block = blocks.train(args.files, name=args.name, model=args.model, config=config)
                 if args.wait:
+                    print(f"queued {block['id']}; waiting (Ctrl-C stops waiting, not the job)", file=sys.stderr)
                     block = blocks.wait(block["id"])
                     _print(block)
                     return 0 if block["status"] == "succeeded" else 1
@@ -71,6 +74,12 @@ def run(args: argparse.Namespace) -> int:
         except APIError as error:
             print(f"error: {error}", file=sys.stderr)
             return 1
+        except httpx.HTTPError as error:  # refused, unresolvable, not an http(s) URL, cut off
+            print(f"error: cannot reach the server at {url}: {error}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("stopped waiting; the job goes on (cartridges datablocks wait ID)", file=sys.stderr)
+            return 130
     return 0
 
 
