@@ -78,7 +78,7 @@ def test_extraction(tmp_path: Path) -> None:
         extract("end.md", b"abc" + "\u00e9".encode()[:1])
 
 
-def test_keys_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_keys_command(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     data = str(tmp_path / "data")
     assert main(["keys", "--data-dir", data, "create", "--user", "carol"]) == 0
     key = capsys.readouterr().out.strip()
@@ -93,6 +93,17 @@ def test_keys_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["keys", "revoke", "1", "--data-dir", data]) == 1
     assert main(["keys", "create", "--user", "admin", "--data-dir", data]) == 2
     assert main(["keys", "create", "--user", "bad name", "--data-dir", data]) == 2
+    # A mistyped directory is an error, not an empty store made there; a bad setting is named.
+    typo = tmp_path / "dta"
+    assert main(["keys", "list", "--data-dir", str(typo)]) == 1 and not typo.exists()
+    assert "no store at" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("x")
+    assert main(["keys", "create", "--user", "dan", "--data-dir", str(tmp_path / "a-file")]) == 1
+    assert capsys.readouterr().err.startswith("error: ")
+    monkeypatch.setenv("CARTRIDGES_PORT", "abc")
+    assert main(["keys", "list", "--data-dir", data]) == 2
+    assert "CARTRIDGES_PORT" in capsys.readouterr().err
+    monkeypatch.delenv("CARTRIDGES_PORT")
 
     from cartridges.server.keys import hash_key
     from cartridges.store import open_store

@@ -95,7 +95,10 @@ def _stored_cartridge(args: argparse.Namespace) -> tuple[Any, str]:
     from ..server.settings import Settings
     from ..store import core, open_store
 
-    settings = Settings.from_env(data_dir=args.data_dir)
+    try:
+        settings = Settings.from_env(data_dir=args.data_dir)
+    except ValueError as error:  # a CARTRIDGES_* variable that does not parse
+        raise LookupError(str(error)) from None
     if not Path(settings.data_dir).is_dir():  # opening the store would create one there
         raise LookupError(f"'{args.source}' is neither a file nor a datablock (no store at {settings.data_dir})")
     store = open_store(settings.data_dir, database_url=settings.database_url, blob_url=settings.blob_url)
@@ -119,7 +122,14 @@ def run_import(args: argparse.Namespace) -> int:
     from ..store import core, open_store
     from . import load_model_or_report
 
-    settings = Settings.from_env(data_dir=args.data_dir, **({"model": args.model} if args.model else {}))
+    try:
+        settings = Settings.from_env(data_dir=args.data_dir, **({"model": args.model} if args.model else {}))
+    except ValueError as error:  # a CARTRIDGES_* variable that does not parse
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if not Path(args.source).exists():
+        print(f"error: {args.source}: no such file", file=sys.stderr)
+        return 1
     model = load_model_or_report(settings.model)
     if model is None:
         return 1

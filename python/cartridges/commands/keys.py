@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,9 +29,22 @@ def run(args: argparse.Namespace) -> int:
     from cartridges.server.settings import Settings
     from cartridges.store import core, open_store
 
-    settings = Settings.from_env(data_dir=args.data_dir)
-    store = open_store(settings.data_dir, database_url=settings.database_url, blob_url=settings.blob_url)
     errors = core()
+    try:
+        settings = Settings.from_env(data_dir=args.data_dir)
+    except ValueError as exc:  # a CARTRIDGES_* variable that does not parse: it is named
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.action != "create" and settings.database_url is None and not Path(settings.data_dir).is_dir():
+        # Opening would make an empty store there: a mistyped directory would list no keys.
+        print(f"error: no store at {settings.data_dir}; give the server's --data-dir (or CARTRIDGES_DATA_DIR)",
+              file=sys.stderr)
+        return 1
+    try:
+        store = open_store(settings.data_dir, database_url=settings.database_url, blob_url=settings.blob_url)
+    except errors.StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     try:
         if args.action == "create":
             if args.user == keys.ADMIN_USER:
