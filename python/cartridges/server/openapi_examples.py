@@ -20,7 +20,7 @@ DATABLOCK = {
     "id": _BLOCK_ID, "object": "datablock", "run_id": "k3v9x2m1q8ab", "project": "handbook", "owner": "alice",
     "model": _MODEL, "status": "running", "training_files": [_FILE_ID],
     "config": {"num_tokens": 304, "num_samples": 256, "learning_rate": 0.02, "epochs": 2},
-    "created_at": 1767225600, "started_at": 1767225603, "finished_at": None,
+    "created_at": 1767225600, "started_at": 1767225603, "finished_at": None, "updated_at": 1767225698,
     "progress": {"stage": "training", "completed": 40, "total": 128, "eta_seconds": 95},
     "metrics": {"loss": 0.83, "synthetic_samples": 256, "train_tokens": None, "quality": None, "signal_by_part": None},
     "num_tokens": 304, "bytes": None, "error": None, "imported_from": None,
