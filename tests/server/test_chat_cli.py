@@ -80,3 +80,69 @@ def test_unreachable_server():
     done = chat("--server", f"http://127.0.0.1:{free_port()}", "--api-key", API_KEY)
     assert done.returncode == 1
     assert done.stderr.startswith("error: cannot reach the server at http://127.0.0.1:"), done.stderr
+
+
+def test_a_server_that_drops_the_reply_midway_is_a_clear_error():
+    """A server that answers the checks, then cuts the stream off after one chunk: the chat
+    ends with one line saying so, what was received stays printed, and there is no traceback.
+    Its /preload answering with another service's page is a clear error too."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Dropping(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def _json(self, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path.endswith("/status"):
+                self._json({"status": "ok", "model": "m"})
+            else:
+                self._json({"object": "list", "data": []})
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if self.path == "/preload":  # another service's page, not the map of ids
+                page = b"<html>hello</html>"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(page)))
+                self.end_headers()
+                self.wfile.write(page)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            event = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Half a rep"},
+                                  "finish_reason": None}]}
+            line = f"data: {json.dumps(event)}\n\n".encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+            self.wfile.flush()
+            self.connection.shutdown(2)  # cut off: no closing chunk, no [DONE]
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Dropping)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        done = chat("--server", url, "--api-key", API_KEY)
+        preloaded = chat("--server", url, "--api-key", API_KEY, "--cartridge", "a/b/c")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 1, done.stderr
+    assert "Half a rep" in done.stdout
+    assert "Traceback" not in done.stderr and "error: " in done.stderr, done.stderr
+    assert preloaded.returncode == 1 and "did not answer as a cartridges server does" in preloaded.stderr, \
+        preloaded.stderr

@@ -232,7 +232,11 @@ def _connect(base: str, key: str, model: str | None, cartridges: list[str]) -> t
                                   headers={"Authorization": f"Bearer {key}"})
             if response.status_code != 200:
                 raise FatalError(f"could not load the cartridges: {_http_error(response)}")
-            failed = [f"{i}: {r.removeprefix('error: ')}" for i, r in response.json().items() if r != "loaded"]
+            try:
+                answers = response.json()
+                failed = [f"{i}: {r.removeprefix('error: ')}" for i, r in answers.items() if r != "loaded"]
+            except (ValueError, AttributeError):
+                raise FatalError(f"{base}/preload did not answer as a cartridges server does") from None
             if failed:
                 raise FatalError("cartridge " + "; ".join(failed))
     except openai.APIError as error:
