@@ -273,6 +273,10 @@ def test_train_and_chat_commands(model, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
     assert main(["chat", "--cartridge", str(out), "--cartridge", str(out), "--composition", "concatenate"]) == 0
     assert "ok concatenate" in capsys.readouterr().out
+    monkeypatch.setattr(cartridges.model, "load_model", lambda path=None, **kw: pytest.fail("loaded the model"))
+    assert main(["chat", "--cartridge", str(tmp_path / "nope.safetensors")]) == 1  # checked before the model loads
+    assert "no such cartridge file" in capsys.readouterr().err
+    monkeypatch.setattr(cartridges.model, "load_model", lambda path=None, **kw: Chatty())
     out.write_bytes(out.read_bytes()[:-8])
     assert main(["chat", "--cartridge", str(out)]) == 1
     err = capsys.readouterr().err

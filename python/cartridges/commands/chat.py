@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -73,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
         if given:
             print(f"error: {name} is for --server", file=sys.stderr)
             return 2
+    missing = [path for path in args.cartridge if not Path(path).is_file()]
+    if missing:  # before the model loads
+        print(f"error: {missing[0]}: no such cartridge file (a datablock id needs --server)", file=sys.stderr)
+        return 1
     model = load_model_or_report(args.model)
     if model is None:
         return 1
