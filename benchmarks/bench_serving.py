@@ -13,7 +13,7 @@
    per cartridge) and by concatenation (one sequence behind both).
 
     python benchmarks/bench_serving.py [--device cpu|cuda] [--random-weights] [--skip-documents]
-                                       [--skip-composition]
+                                       [--skip-composition] [--no-cuda-graphs]
 
 `--random-weights` builds the default model's shape with random weights (for a machine
 without the embedded model; speed does not depend on the values).
@@ -207,20 +207,27 @@ def main() -> None:
     parser.add_argument("--skip-concurrency", action="store_true")
     parser.add_argument("--skip-documents", action="store_true")
     parser.add_argument("--skip-composition", action="store_true")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="decode steps on CUDA without CUDA graphs (the packed step), as a baseline")
     args = parser.parse_args()
 
     model = random_smollm2(args.device) if args.random_weights else cartridges.load_model(device=args.device)
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     print(f"model {model.name} ({model.dtype}) on {args.device}: {where}, {torch.get_num_threads()} threads")
+    if args.no_cuda_graphs:
+        model.start_engine(cuda_graphs=False)
     options = model.engine.options
     print(f"engine: kv_tokens={options.kv_tokens} max_running={options.max_running} "
-          f"prefill_tokens_per_step={options.prefill_tokens_per_step}")
+          f"prefill_tokens_per_step={options.prefill_tokens_per_step} cuda_graphs={options.cuda_graphs}")
     if not args.skip_concurrency:
         concurrency(model, [int(n) for n in args.clients.split(",")], args.new_tokens, args.rounds)
     if not args.skip_documents:
         documents(model, args.users, args.doc_tokens, args.questions, args.cartridge_tokens, args.answer_tokens)
     if not args.skip_composition:
         composition(model, args.users, args.questions, args.cartridge_tokens, args.answer_tokens)
+    stats = model.engine.stats()
+    print(f"engine steps {stats.steps}: {stats.fixed_shape_steps} fixed-shape decode steps, "
+          f"{stats.cuda_graph_captures} CUDA graphs captured")
 
 
 if __name__ == "__main__":

@@ -338,6 +338,8 @@ class Engine:
 class EngineBusyError(RuntimeError):
     pass
 class EngineOptions:
+    cuda_graphs: bool
+    fixed_shape_decode: bool
     def __init__(self) -> None:
         ...
     @property
@@ -384,7 +386,13 @@ class EngineStats:
     def cartridges(self) -> CartridgeCacheStats:
         ...
     @property
+    def cuda_graph_captures(self) -> int:
+        ...
+    @property
     def finished(self) -> int:
+        ...
+    @property
+    def fixed_shape_steps(self) -> int:
         ...
     @property
     def generated_tokens(self) -> int:

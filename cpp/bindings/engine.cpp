@@ -65,7 +65,9 @@ void bind_engine_records(py::module_& m) {
       .def_readwrite("prefill_tokens_per_step", &EngineOptions::prefill_tokens_per_step)
       .def_readwrite("max_waiting", &EngineOptions::max_waiting)
       .def_readwrite("cartridge_cache_bytes", &EngineOptions::cartridge_cache_bytes)
-      .def_readwrite("num_threads", &EngineOptions::num_threads);
+      .def_readwrite("num_threads", &EngineOptions::num_threads)
+      .def_readwrite("cuda_graphs", &EngineOptions::cuda_graphs)
+      .def_readwrite("fixed_shape_decode", &EngineOptions::fixed_shape_decode);
 
   py::class_<Event>(m, "Event")
       .def_readonly("request", &Event::request)
@@ -93,6 +95,8 @@ void bind_engine_records(py::module_& m) {
       .def_readonly("kv_tokens_total", &EngineStats::kv_tokens_total)
       .def_readonly("kv_bytes", &EngineStats::kv_bytes)
       .def_readonly("kv_compactions", &EngineStats::kv_compactions)
+      .def_readonly("fixed_shape_steps", &EngineStats::fixed_shape_steps)
+      .def_readonly("cuda_graph_captures", &EngineStats::cuda_graph_captures)
       .def_readonly("steps", &EngineStats::steps)
       .def_readonly("prompt_tokens", &EngineStats::prompt_tokens)
       .def_readonly("generated_tokens", &EngineStats::generated_tokens)

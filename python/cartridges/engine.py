@@ -51,7 +51,9 @@ _MIN_OPENING, _MAX_OPENING, _OPENING_TOKENS_KEPT = 16, 1024, 4096
 class Engine:
     """The serving engine over a `Model`. Options (defaults in `cartridges_core.EngineOptions`):
     kv_tokens (KV pool size in tokens), max_running, prefill_tokens_per_step, max_waiting,
-    cartridge_cache_bytes, num_threads (intra-op threads of the compute thread).
+    cartridge_cache_bytes, num_threads (intra-op threads of the compute thread), cuda_graphs
+    (decode steps on CUDA replay CUDA graphs), fixed_shape_decode (that path on any device, for
+    tests).
 
     `cache_openings`: a request without cartridges whose prompt opens with the same tokens as
     earlier ones (the chat template's opening and the system prompt, up to `weigh_from`) reads
@@ -66,7 +68,7 @@ class Engine:
                 continue
             if not hasattr(opts, key):
                 raise TypeError(f"unknown engine option {key!r}")
-            setattr(opts, key, int(value))
+            setattr(opts, key, value if isinstance(value, bool) else int(value))
         self.model = model
         self.native = core.Engine(model.native, opts)
         self._streams: dict[int, Stream] = {}

@@ -107,3 +107,39 @@ def test_requests_get_what_they_get_alone_across_a_pool_compaction(pair):
         engine.close()
     for p, (_, m, pre), tokens in zip(prompts, specs, got):
         assert tokens == model.generate([p], prefixes=pre, max_new_tokens=m, stop_token_ids=[])[0].tokens
+
+
+def test_decode_steps_replay_cuda_graphs_with_the_eager_steps_numbers(pair):
+    """Decode steps replay CUDA graphs by default. A replay runs the eager fixed-shape step's
+    kernels on the same shapes: the same tokens, log-probabilities within bfloat16's rounding
+    (cuBLAS may choose another algorithm under capture). Against the packed step (no graphs),
+    which rounds a shared cartridge's attention differently, the first tokens agree too."""
+    _, model = pair
+    g = torch.Generator().manual_seed(11)
+    shared = model.native.prefix_from_tokens(torch.randint(VOCAB, (20,), generator=g).cuda())
+    own = [model.native.prefix_from_tokens(torch.randint(VOCAB, (n,), generator=g).cuda()) for n in (5, 70)]
+    prompts = [torch.randint(VOCAB, (n,), generator=g).tolist() for n in (4, 9, 60, 3, 17)]
+    prefixes = [[shared], [shared], [own[0]], [own[1]], []]
+
+    def run(**options):
+        engine = Engine(model, kv_tokens=4096, **options)
+        try:  # submitted together: every run takes the same steps
+            streams = engine.submit_many(prompts, prefixes=prefixes, max_new_tokens=24, stop_token_ids=[], logprobs=1)
+            return [[(d.token, d.logprob.logprob) for d in s] for s in streams], engine.stats()
+        finally:
+            engine.close()
+
+    def assert_close(ours, theirs, tokens, atol):
+        for a, b in zip(ours, theirs):
+            assert [t for t, _ in a[:tokens]] == [t for t, _ in b[:tokens]]
+            assert all(abs(x[1] - y[1]) < atol for x, y in zip(a[:tokens], b[:tokens]))
+
+    graphed, stats = run()
+    assert stats.cuda_graph_captures > 0 and stats.fixed_shape_steps > 0
+    eager, eager_stats = run(cuda_graphs=False, fixed_shape_decode=True)
+    assert eager_stats.cuda_graph_captures == 0 and eager_stats.fixed_shape_steps > 0
+    print("graph replays equal the eager fixed-shape steps to the bit:", graphed == eager)
+    assert_close(graphed, eager, 12, 0.05)
+    packed, packed_stats = run(cuda_graphs=False)
+    assert packed_stats.fixed_shape_steps == 0
+    assert_close(graphed, packed, 3, 0.1)

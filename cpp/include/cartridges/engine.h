@@ -37,6 +37,13 @@ struct EngineOptions {
   // Intra-op threads of the compute thread; 0 takes the creating thread's ATen setting
   // (torch.set_num_threads). Default 0.
   int num_threads = 0;
+  // Decode steps on CUDA replay a CUDA graph per shape bucket (docs/design.md, "Decode steps
+  // as CUDA graphs"): a small model's GPU step is bound by the host's kernel launches, which a
+  // graph replays without. No effect on CPU or in a build without CUDA. Default true.
+  bool cuda_graphs = true;
+  // Decode steps take that fixed-shape path on any device, eagerly when there are no graphs:
+  // tests check its arithmetic this way; slower than the default path on CPU. Default false.
+  bool fixed_shape_decode = false;
 };
 
 struct Request {
@@ -75,6 +82,8 @@ struct EngineStats {
   int64_t running = 0, waiting = 0;
   int64_t kv_tokens_used = 0, kv_tokens_total = 0, kv_bytes = 0;
   int64_t kv_compactions = 0;  // times the running requests' KV ranges were packed (fragmentation)
+  // Steps that took the fixed-shape decode path, and the CUDA graphs it captured.
+  int64_t fixed_shape_steps = 0, cuda_graph_captures = 0;
   int64_t steps = 0, prompt_tokens = 0, generated_tokens = 0;
   int64_t finished = 0, cancelled = 0;
   CartridgeCacheStats cartridges;

@@ -23,6 +23,20 @@ struct KVPool {
   std::vector<at::Tensor> values;  // per layer: [capacity, H_kv, D]
 };
 
+// The prefixes (cartridges) of a fixed-shape decode step, copied end to end into slabs that
+// stay at one address while CUDA graphs replay reads of them: per layer keys and values
+// [capacity, H_kv, D] in the model's dtype, biases [capacity, H_kv] float32 (zeros where a
+// prefix has none).
+struct DecodeSlab {
+  std::vector<at::Tensor> keys, values, biases;
+  int64_t capacity() const { return keys.empty() ? 0 : keys[0].size(0); }
+};
+
+// The inputs of a fixed-shape decode step: one int64 tensor [kDecodeInputs, R], a column per
+// row. The row's new token is written at pool slot own_offset + own_length - 1 and attends to
+// own_length own slots from own_offset, after prefix_length slab rows from prefix_start.
+enum DecodeInput : int64_t { kToken, kPosition, kOwnOffset, kOwnLength, kPrefixStart, kPrefixLength, kDecodeInputs };
+
 // One sequence's part of a packed step: its `num_new` tokens follow the previous sequence's
 // in PackedBatch::tokens.
 struct PackedSequence {

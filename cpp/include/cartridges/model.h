@@ -55,6 +55,7 @@ at::Tensor dequantize_weight(const QuantizedWeight& weight, int64_t in_features)
 // The serving engine's KV pool and packed steps (cartridges/kv_pool.h).
 struct KVPool;
 struct PackedBatch;
+struct DecodeSlab;
 
 // A linear layer: float32/bf16 weights, and optionally the same weights block-quantized for
 // the CPU decode path (a handful of rows, no gradient). `int8_activations` picks that path's
@@ -112,6 +113,13 @@ class LlamaModel {
   // last new token for each other sequence with `logits` set. Sequences
   // with the same prefix list attend to it together, reading it once per layer.
   at::Tensor forward_packed(const PackedBatch& batch, KVPool& pool) const;
+  // A decode step at fixed shapes, for R one-token rows (a CUDA graph captures and replays
+  // it): `inputs` [kDecodeInputs, R] int64 on the model's device (cartridges/kv_pool.h), each
+  // row over `prefix_tokens` (P) padded keys of `slab` then `own_tokens` (L) padded pool slots.
+  // Writes each row's new K/V to the pool and returns float32 logits [R, vocab]. Equal to
+  // forward_packed on the same rows up to summation order: every row folds its prefixes.
+  at::Tensor forward_fixed_decode(const at::Tensor& inputs, int64_t prefix_tokens, int64_t own_tokens,
+                                  const DecodeSlab& slab, KVPool& pool) const;
 
   // KV of `tokens` [S] as a prefix (the prefix-from-text initialization of a cartridge); with
   // `queries`, also each layer's queries [H, S, D] after RoPE, from the same pass.

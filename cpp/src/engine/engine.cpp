@@ -10,6 +10,7 @@
 #include <atomic>
 #include <limits>
 #include <condition_variable>
+#include <cstdio>
 #include <set>
 #include <thread>
 
@@ -20,6 +21,7 @@
 #include "cartridges/compute.h"
 #include "cartridges/kv_pool.h"
 #include "cartridges/engine.h"
+#include "engine/fixed_decode.h"
 #include "engine/scheduler.h"
 #include "model/spin_pool.h"
 
@@ -78,6 +80,11 @@ class EngineImpl {
         // OpenMP's thread count is per thread: a new thread would start from the process
         // default (every core), not from what the caller chose. Take the caller's when unset.
         requested_threads_(options.num_threads > 0 ? options.num_threads : at::get_num_threads()) {
+    if (options.cuda_graphs && model_->device().is_cuda() && cuda_graphs_built()) {
+      fixed_decode_ = std::make_unique<FixedDecode>(model_, /*graphs=*/true);
+    } else if (options.fixed_shape_decode) {
+      fixed_decode_ = std::make_unique<FixedDecode>(model_, /*graphs=*/false);
+    }
     thread_ = std::thread([this] { run(); });
   }
 
@@ -339,9 +346,21 @@ class EngineImpl {
 
     at::Tensor logits;
     std::string failure;
+    bool fixed_shape = fixed_decode_ != nullptr && FixedDecode::serves(batch);
     try {
       ComputeLock turn;
-      logits = model_->forward_packed(batch, pool_).to(at::kCPU);
+      if (fixed_shape) {
+        try {
+          logits = fixed_decode_->step(batch, pool_).to(at::kCPU);
+        } catch (const std::exception& e) {
+          // A step the fixed-shape path cannot take (a graph that fails to capture) must not
+          // fail requests: the packed step serves this one and every later one, and says why.
+          std::fprintf(stderr, "cartridges: fixed-shape decode steps turned off: %s\n", e.what());
+          fixed_decode_.reset();
+          fixed_shape = false;
+        }
+      }
+      if (!fixed_shape) logits = model_->forward_packed(batch, pool_).to(at::kCPU);
     } catch (const std::exception& e) {
       failure = e.what();
     }
@@ -349,6 +368,10 @@ class EngineImpl {
     RECORD_FUNCTION("cartridges::sample", std::vector<c10::IValue>());
     std::lock_guard<std::mutex> lock(mutex_);
     ++counters_.steps;
+    if (fixed_shape) {
+      ++counters_.fixed_shape_steps;
+      counters_.cuda_graph_captures = fixed_decode_->captures();
+    }
     int64_t row = 0;
     for (size_t i = 0; i < parts.size();) {
       const Part& part = parts[i];
@@ -487,6 +510,7 @@ class EngineImpl {
   EngineStats counters_;
 
   KVPool pool_;  // only the compute thread reads or writes it
+  std::unique_ptr<FixedDecode> fixed_decode_;  // null: every step takes forward_packed
   CartridgeCache cartridges_;
 
   std::mutex events_mutex_;

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <limits>
 #include <numeric>
 
 #include "cartridges/kv_pool.h"
@@ -321,6 +322,22 @@ at::Tensor LlamaModel::mlp(const Layer& layer, const at::Tensor& x) const {
   return apply(layer.down, at::silu(gate_up.narrow(-1, 0, I)) * gate_up.narrow(-1, I, I));
 }
 
+namespace {
+
+// Rotates q and k [N, heads, D] by RoPE (cos, sin [1, 1, N, D]) and writes k and v to a
+// layer's pool slabs at `slots` ([N] on the device); returns the rotated q.
+at::Tensor rope_and_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                          const at::Tensor& sin, const at::Tensor& slots, at::Tensor& keys, at::Tensor& values) {
+  auto rotate = [&](const at::Tensor& x) {
+    return ops::apply_rope(x.transpose(0, 1).unsqueeze(0), cos, sin).squeeze(0).transpose(0, 1);
+  };
+  keys.index_copy_(0, slots, rotate(k).contiguous());
+  values.index_copy_(0, slots, v.contiguous());
+  return rotate(q);
+}
+
+}  // namespace
+
 at::Tensor LlamaModel::forward_packed(const PackedBatch& batch, KVPool& pool) const {
   const auto& c = config_;
   TORCH_CHECK(batch.tokens.dim() == 1, "forward_packed: tokens must be [N]");
@@ -367,10 +384,7 @@ at::Tensor LlamaModel::forward_packed(const PackedBatch& batch, KVPool& pool) co
     if (fused_cpu) {
       q = ops::rope_and_store_cpu(q, k, v, cos, sin, slots, pool.keys[l], pool.values[l]);
     } else {
-      q = ops::apply_rope(q.transpose(0, 1).unsqueeze(0), cos, sin).squeeze(0).transpose(0, 1);
-      k = ops::apply_rope(k.transpose(0, 1).unsqueeze(0), cos, sin).squeeze(0).transpose(0, 1);
-      pool.keys[l].index_copy_(0, slot_index, k.contiguous());
-      pool.values[l].index_copy_(0, slot_index, v.contiguous());
+      q = rope_and_store(q, k, v, cos, sin, slot_index, pool.keys[l], pool.values[l]);
     }
     auto attn = ops::packed_attention(q, pool.keys[l], pool.values[l], batch, layout, l);  // [N, H, D]
     x = x + apply(layer.o, attn.reshape({N, -1}));
@@ -379,6 +393,42 @@ at::Tensor LlamaModel::forward_packed(const PackedBatch& batch, KVPool& pool) co
   if (last.empty()) return at::empty({0, c.vocab_size}, at::TensorOptions().dtype(at::kFloat).device(device_));
   auto rows = at::tensor(last, at::kLong).to(device_);
   return logits(ops::rms_norm(x.index_select(0, rows), final_norm_, c.rms_norm_eps));
+}
+
+at::Tensor LlamaModel::forward_fixed_decode(const at::Tensor& inputs, int64_t prefix_tokens, int64_t own_tokens,
+                                            const DecodeSlab& slab, KVPool& pool) const {
+  const auto& c = config_;
+  const int64_t R = inputs.size(1), P = prefix_tokens, L = own_tokens;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const auto longs = at::TensorOptions().dtype(at::kLong).device(device_);
+  const auto floats = at::TensorOptions().dtype(at::kFloat).device(device_);
+  // Every index below is computed on the device from `inputs`: nothing reads the host.
+  auto own_length = inputs[kOwnLength].view({R, 1});
+  auto t = at::arange(L, longs).view({1, L});
+  ops::FixedDecodeIndex index;
+  index.own_slots = (inputs[kOwnOffset].view({R, 1}) + at::minimum(t, own_length - 1)).flatten();
+  auto mask = at::zeros({R, L}, floats).masked_fill_(t >= own_length, kNegInf);
+  if (P > 0) {
+    auto prefix_length = inputs[kPrefixLength].view({R, 1});
+    auto tp = at::arange(P, longs).view({1, P});
+    index.prefix_slots =
+        (inputs[kPrefixStart].view({R, 1}) + at::clamp_min(at::minimum(tp, prefix_length - 1), 0)).flatten();
+    mask = at::cat({at::zeros({R, P}, floats).masked_fill_(tp >= prefix_length, kNegInf), mask}, 1);
+  }
+  index.mask = mask.view({R, 1, 1, P + L});
+  auto write_slots = inputs[kOwnOffset] + inputs[kOwnLength] - 1;
+  auto [cos, sin] = ops::rope_cos_sin(inv_freq_, inputs[kPosition].view({1, R}), dtype_);  // [1, 1, R, D]
+
+  auto x = at::embedding(embed_, inputs[kToken]);  // [R, hidden]
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const Layer& layer = layers_[l];
+    auto [q, k, v] = project_qkv(layer, ops::rms_norm(x, layer.input_norm, c.rms_norm_eps));  // [R, heads, D]
+    q = rope_and_store(q, k, v, cos, sin, write_slots, pool.keys[l], pool.values[l]);
+    auto attn = ops::fixed_decode_attention(q, pool.keys[l], pool.values[l], slab, l, index);  // [R, H, D]
+    x = x + apply(layer.o, attn.reshape({R, -1}));
+    x = x + mlp(layer, x);
+  }
+  return logits(ops::rms_norm(x, final_norm_, c.rms_norm_eps));
 }
 
 at::Tensor LlamaModel::logits(const at::Tensor& hidden) const {

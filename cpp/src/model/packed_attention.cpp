@@ -90,6 +90,20 @@ PartialAttention prefill_part(const at::Tensor& q_seq, const at::Tensor& keys, c
           heads_last(part.l.unsqueeze(-1), n, groups).squeeze(-1)};
 }
 
+// Partial attention of gathered rows: q [R, Hkv, G, D] (scaled, in the keys' dtype) over
+// k, v [R, L, Hkv, D] with an additive float32 mask [R, 1, 1, L] and, when defined, biases
+// [R, Hkv, 1, P] on the first P keys. Returns o [R, H, D], m and l [R, H] in float32.
+PartialAttention gathered_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const at::Tensor& mask, const at::Tensor& bias) {
+  const int64_t rows = q.size(0), heads = q.size(1) * q.size(2), dim = q.size(3);
+  auto scores = at::matmul(q, k.permute({0, 2, 3, 1})).to(at::kFloat) + mask;  // [R, Hkv, G, L]
+  if (bias.defined()) scores.narrow(-1, 0, bias.size(-1)).add_(bias);
+  auto m = std::get<0>(scores.max(-1));
+  auto e = at::exp(scores - m.unsqueeze(-1));
+  auto o = at::matmul(e.to(v.scalar_type()), v.transpose(1, 2)).to(at::kFloat);  // [R, Hkv, G, D]
+  return {o.reshape({rows, heads, dim}), m.reshape({rows, heads}), e.sum(-1).reshape({rows, heads})};
+}
+
 // Attention of the one-token rows on the gathered path (any device): each row's own range of
 // pool slots and the prefixes folded into it, gathered and padded into [R, L] keys, in one
 // batch of matrix products whatever the number of distinct cartridges.
@@ -116,13 +130,7 @@ PartialAttention decode_part_gathered(const at::Tensor& q_rows, const at::Tensor
     v = at::cat({gather(at::cat(pv).to(values.scalar_type()), slots), v}, 1);
     if (!pb.empty()) bias = at::cat(pb).index_select(0, slots).view({rows, -1, kv}).permute({0, 2, 1}).unsqueeze(2);
   }
-  auto q = q_rows.view({rows, kv, groups, dim}).to(keys.scalar_type());
-  auto scores = at::matmul(q, k.permute({0, 2, 3, 1})).to(at::kFloat) + layout.decode_mask;  // [R, Hkv, G, L]
-  if (bias.defined()) scores.narrow(-1, 0, bias.size(-1)).add_(bias);
-  auto m = std::get<0>(scores.max(-1));
-  auto e = at::exp(scores - m.unsqueeze(-1));
-  auto o = at::matmul(e.to(v.scalar_type()), v.transpose(1, 2)).to(at::kFloat);  // [R, Hkv, G, D]
-  return {o.reshape({rows, kv * groups, dim}), m.reshape({rows, kv * groups}), e.sum(-1).reshape({rows, kv * groups})};
+  return gathered_attention(q_rows.view({rows, kv, groups, dim}).to(keys.scalar_type()), k, v, layout.decode_mask, bias);
 }
 
 // ---- CPU float32 kernel for one-token sequences -------------------------------------------
@@ -419,6 +427,26 @@ at::Tensor packed_attention(const at::Tensor& q_in, const at::Tensor& keys, cons
                 heads_last(part.l.unsqueeze(-1), n, groups).squeeze(-1)});
   }
   return (acc.o / acc.l.unsqueeze(-1)).to(q_in.scalar_type());
+}
+
+at::Tensor fixed_decode_attention(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values,
+                                  const DecodeSlab& slab, int64_t layer, const FixedDecodeIndex& index) {
+  RECORD_FUNCTION("cartridges::fixed_decode_attention", std::vector<c10::IValue>());
+  const int64_t rows = q_in.size(0), heads = q_in.size(1), dim = q_in.size(2), kv = keys.size(1);
+  auto gather = [&](const at::Tensor& source, const at::Tensor& slots) {  // source [T, Hkv, D]
+    return source.index_select(0, slots).view({rows, -1, kv, dim});     // [R, L, Hkv, D]
+  };
+  auto k = gather(keys, index.own_slots), v = gather(values, index.own_slots);
+  at::Tensor bias;  // [R, Hkv, 1, P]; zeros where a prefix has none, which adds nothing
+  if (index.prefix_slots.defined()) {
+    k = at::cat({gather(slab.keys[layer], index.prefix_slots), k}, 1);
+    v = at::cat({gather(slab.values[layer], index.prefix_slots), v}, 1);
+    bias = slab.biases[layer].index_select(0, index.prefix_slots).view({rows, -1, kv}).permute({0, 2, 1}).unsqueeze(2);
+  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  auto q = (q_in.to(at::kFloat) * scale).view({rows, kv, heads / kv, dim}).to(keys.scalar_type());
+  auto part = gathered_attention(q, k, v, index.mask, bias);
+  return (part.o / part.l.unsqueeze(-1)).to(q_in.scalar_type());
 }
 
 }  // namespace cartridges::ops

@@ -66,4 +66,20 @@ void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at:
                           const std::vector<int64_t>& lengths, const std::vector<const PrefixList*>& prefixes,
                           int64_t layer, PartialAttention& out);
 
+// Where the rows of a fixed-shape decode step (LlamaModel::forward_fixed_decode) read their keys:
+// R rows, each over P prefix keys then L own keys, padded (a padded key reads a valid slot and
+// is masked).
+struct FixedDecodeIndex {
+  at::Tensor own_slots;     // [R * L] int64 pool slots
+  at::Tensor prefix_slots;  // [R * P] int64 rows of the DecodeSlab; undefined when P = 0
+  at::Tensor mask;          // [R, 1, 1, P + L] float32: 0, or -inf over padding
+};
+
+// Attention of a fixed-shape decode step's rows: q [R, H, D] already rotated, the layer's pool
+// slabs and the prefix slab. The arithmetic of the gathered path (every row folds its
+// prefixes), with no host work, so that a CUDA graph can replay it. Returns [R, H, D] in q's
+// dtype.
+at::Tensor fixed_decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                  const DecodeSlab& slab, int64_t layer, const FixedDecodeIndex& index);
+
 }  // namespace cartridges::ops
