@@ -204,6 +204,30 @@ def test_next_token_objective_and_resume(model, tmp_path):
     assert [a[1] for a in stopped] == [5, 6, 7, 8, 9]
 
 
+def test_a_checkpoint_path_alone_saves_training_every_ten_steps(model, tmp_path):
+    """checkpoint_every left at 0: a run with a checkpoint path saves every 10 steps, so one
+    stopped at step 12 resumes from step 10, not from the start."""
+    import cartridges_core
+
+    config = small_config(objective="next_token", init="text", epochs=5)
+    assert config.checkpoint_every == 0
+    full = train(model, TEXT, config, progress=False)
+    ckpt = tmp_path / "run.ckpt"
+    token = cartridges_core.CancelToken()
+
+    def stop_at_twelve(stage, done, total, loss):
+        if stage == "training" and done == 12:
+            token.cancel()
+
+    part = train(model, TEXT, config, progress=False, checkpoint=ckpt, cancel=token, on_progress=stop_at_twelve)
+    assert part.stats["cancelled"] and part.stats["steps"] == 12
+    steps = []
+    resumed = train(model, TEXT, config, progress=False, checkpoint=ckpt, resume=True,
+                    on_progress=lambda stage, done, *_: steps.append(done))
+    assert steps == [11, 12, 13, 14, 15]
+    assert resumed == full
+
+
 def test_synthesis_cancelled_then_resumed_gives_the_uninterrupted_cartridge(model, tmp_path, monkeypatch):
     """A synthesis stopped between batches keeps its conversations (CHECKPOINT.synthesis.pt);
     the resumed run makes only the missing batches, and the cartridge is the uninterrupted one."""

@@ -31,8 +31,6 @@ from typing import Any
 log = logging.getLogger("cartridges.jobs")
 
 FILE_WAIT_POLL_S = 0.2
-# Training steps between checkpoints when the config leaves it to us (checkpoint_every = 0).
-DEFAULT_CHECKPOINT_EVERY = 10
 EXIT_BUSY = 75  # another worker holds this job
 WORKER_DEVICE_ENV = "CARTRIDGES_WORKER_DEVICE"
 
@@ -174,9 +172,6 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
             progress.update("training", done, total, loss=loss)
         return not progress.stopped
 
-    run_config = config
-    if config.checkpoint_every == 0:
-        run_config = config.replace(checkpoint_every=DEFAULT_CHECKPOINT_EVERY)
     distill = config.objective == "distill"
     to_synthesize = config.num_samples + (config.quality_samples or 0) if distill else config.num_samples
     first_stage = "synthesizing" if distill else "training"
@@ -184,7 +179,7 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
         first_stage, to_synthesize = "compacting", 0
     progress.update(first_stage, 0, to_synthesize)
     try:
-        cartridge = train(model, corpus, run_config, progress=False, checkpoint=scratch / "train.ckpt",
+        cartridge = train(model, corpus, config, progress=False, checkpoint=scratch / "train.ckpt",
                           resume=True, cancel=cancel, on_progress=on_progress)
     except TrainingCancelled:
         return

@@ -274,7 +274,8 @@ class TrainConfig(BaseModel):
     variation (docs/experiments.md, "Is the training-time companion still needed once
     composition is by mixture?")."""
     checkpoint_every: int = Field(0, ge=0)
-    """Optimizer steps between checkpoints when train() gets a checkpoint path (0: only at the end)."""
+    """Optimizer steps between checkpoints when train() gets a checkpoint path (0: every 10), and
+    always at the end."""
     seed: int = 0
     """Chunks, seed prompts, A's sampling and the batch order all derive from it: the same
     seed on the same model and texts gives the same cartridge."""
