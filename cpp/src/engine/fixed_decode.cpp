@@ -3,6 +3,7 @@
 #include <ATen/record_function.h>
 
 #include <algorithm>
+#include <set>
 
 namespace cartridges {
 
@@ -17,12 +18,6 @@ int64_t bucket(int64_t n, int64_t least) {
   int64_t b = least;
   while (b < n) b *= 2;
   return b;
-}
-
-std::vector<const KVPrefix*> list_key(const PrefixList& list) {
-  std::vector<const KVPrefix*> key;
-  for (const auto& p : list) key.push_back(p.get());
-  return key;
 }
 
 }  // namespace
@@ -61,11 +56,11 @@ void FixedDecode::copy_into_slab(Placed& placed) {
 std::vector<const FixedDecode::Placed*> FixedDecode::place_prefixes(const PackedBatch& batch) {
   // The lists this step needs that the slab lacks, and the rows they take.
   int64_t missing = 0, needed = 0;
-  std::map<std::vector<const KVPrefix*>, const PrefixList*> lists;
+  std::set<ops::PrefixKey> seen;
   for (const auto& s : batch.sequences) {
     if (s.prefixes.empty()) continue;
-    auto key = list_key(s.prefixes);
-    if (!lists.emplace(key, &s.prefixes).second) continue;
+    auto key = ops::prefix_key(s.prefixes);
+    if (!seen.insert(key).second) continue;
     int64_t length = 0;
     for (const auto& p : s.prefixes) length += p->num_tokens();
     needed += length;
@@ -95,7 +90,7 @@ std::vector<const FixedDecode::Placed*> FixedDecode::place_prefixes(const Packed
       rows.push_back(nullptr);
       continue;
     }
-    auto key = list_key(s.prefixes);
+    auto key = ops::prefix_key(s.prefixes);
     auto it = placed_.find(key);
     if (it == placed_.end()) {
       Placed placed{s.prefixes, slab_used_, 0};

@@ -14,6 +14,7 @@
 #include "cartridges/kv_pool.h"
 #include "cartridges/model.h"
 #include "engine/cuda_graph.h"
+#include "model/packed_attention.h"
 
 namespace cartridges {
 
@@ -55,7 +56,7 @@ class FixedDecode {
   bool graphs_;
   DecodeSlab slab_;
   int64_t slab_used_ = 0;
-  std::map<std::vector<const KVPrefix*>, Placed> placed_;
+  std::map<ops::PrefixKey, Placed> placed_;
   std::map<Bucket, Captured> captured_;
   int64_t captures_ = 0;
 };

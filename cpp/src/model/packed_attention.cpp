@@ -263,15 +263,13 @@ void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at:
   });
 }
 
-namespace {
-
-using PrefixKey = std::vector<const KVPrefix*>;
-
 PrefixKey prefix_key(const PrefixList& list) {
   PrefixKey key;
   for (const auto& p : list) key.push_back(p.get());
   return key;
 }
+
+namespace {
 
 // The gathered path's indices for the one-token rows (layout.decode_* filled by the caller):
 // own slots, folded prefixes' slots and the additive mask over both.

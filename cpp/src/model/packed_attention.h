@@ -17,6 +17,11 @@
 
 namespace cartridges::ops {
 
+// A prefix list's identity: the prefixes it holds, in order. Sequences with equal keys share
+// one attention over their prefixes (here) or one copy of them (the fixed-shape decode slab).
+using PrefixKey = std::vector<const KVPrefix*>;
+PrefixKey prefix_key(const PrefixList& list);
+
 // Partial attention results over a set of keys, in float32: o [N, H, D] (unnormalized),
 // m [N, H] (max score), l [N, H] (sum of exp(score - m)).
 struct PartialAttention {
