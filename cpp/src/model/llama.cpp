@@ -252,6 +252,7 @@ at::Tensor LlamaModel::forward_hidden(const ForwardBatch& batch, KVCache* cache)
   const int64_t total = cache ? *std::max_element(past.begin(), past.end()) + S : S;
   auto mask = ops::causal_mask(past, S, total, options());
   const bool uniform_past = std::all_of(past.begin(), past.end(), [&](int64_t p) { return p == past[0]; });
+  const bool own_causal = uniform_past && past[0] == 0;  // the mask is the plain causal one
   at::Tensor write_rows, write_cols;
   if (cache && !uniform_past) {
     write_rows = at::arange(B, at::kLong).repeat_interleave(S).to(device_);
@@ -283,7 +284,7 @@ at::Tensor LlamaModel::forward_hidden(const ForwardBatch& batch, KVCache* cache)
       keys = ck.narrow(2, 0, total);
       values = cv.narrow(2, 0, total);
     }
-    auto attn = ops::attention(q, keys, values, mask, batch.prefixes, l, shared);  // [B, H, S, D]
+    auto attn = ops::attention(q, keys, values, mask, batch.prefixes, l, shared, own_causal);  // [B, H, S, D]
     x = x + apply(layer.o, attn.transpose(1, 2).reshape({B, S, H * D}));
 
     x = x + mlp(layer, x);

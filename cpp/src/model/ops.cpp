@@ -1,11 +1,13 @@
 #include "model/ops.h"
 #include "model/spin_pool.h"
+#include "model/split_attention.h"
 
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
 #include <cmath>
 #include <limits>
+#include <optional>
 
 namespace cartridges::ops {
 
@@ -163,57 +165,40 @@ at::Tensor segment_output(const at::Tensor& probs, const at::Tensor& seg_v) {
   return out.view({kv_heads, batch, rows, seg_v.size(2)}).transpose(0, 1);
 }
 
-// The mask's columns for the prefix segments: 0 (all visible), or where a segment has
-// attention biases, [B, H, S, P] with each key's bias (a KV head's bias for its query heads).
-at::Tensor prefix_mask(const PrefixList& segments, int64_t layer, const at::Tensor& q, const at::Tensor& mask) {
-  const auto batch = q.size(0), heads = q.size(1), steps = q.size(2);
-  bool biased = false;
-  int64_t prefix_len = 0;
-  for (const auto& prefix : segments) {
-    biased = biased || !prefix->biases.empty();
-    prefix_len += prefix->num_tokens();
-  }
-  if (!biased) return at::zeros({batch, 1, steps, prefix_len}, mask.options());
-  std::vector<at::Tensor> columns;
-  for (const auto& prefix : segments) {
-    const auto len = prefix->num_tokens(), kv_heads = prefix->keys[layer].size(0);
-    auto bias = prefix->biases.empty() ? at::zeros({kv_heads, len}, mask.options())
-                                       : prefix->biases[layer].to(mask.scalar_type());
-    columns.push_back(bias.repeat_interleave(heads / kv_heads, 0).view({1, heads, 1, len}));
-  }
-  return at::cat(columns, -1).expand({batch, heads, steps, prefix_len});
-}
-
 // On CPU, ATen's fused attention (blocked, online softmax, GQA without expanding heads) is
-// 3-7x faster than scores materialized as below, and so is its backward (training): the
-// segments are put in front of the row's keys, their mask columns all visible. A segment
-// shared by the batch is expanded per row as a view, then copied once by the concatenation.
+// 3-7x faster than scores materialized as below, and so is its backward (training). With
+// prefix segments, they and the own keys are two fused attentions merged (split_attention.h):
+// the prefix is read once for every row, unmasked, and the own part runs causal when it can.
 at::Tensor attention_fused_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                               const PrefixList& segments, int64_t layer) {
-  const auto batch = q.size(0), steps = q.size(2);
-  std::vector<at::Tensor> keys, values;
-  int64_t prefix_len = 0;
+                               const PrefixList& segments, int64_t layer, bool own_causal) {
+  if (segments.empty()) {
+    return at::scaled_dot_product_attention(q, k, v, own_causal ? std::optional<at::Tensor>() : mask,
+                                            /*dropout_p=*/0.0, /*is_causal=*/own_causal, /*scale=*/std::nullopt,
+                                            /*enable_gqa=*/true);
+  }
+  std::vector<at::Tensor> keys, values, biases;
+  bool biased = false;
   for (const auto& prefix : segments) {
-    keys.push_back(prefix->keys[layer].unsqueeze(0).expand({batch, -1, -1, -1}));
-    values.push_back(prefix->values[layer].unsqueeze(0).expand({batch, -1, -1, -1}));
-    prefix_len += prefix->num_tokens();
+    keys.push_back(prefix->keys[layer]);
+    values.push_back(prefix->values[layer]);
+    biased = biased || !prefix->biases.empty();
   }
-  keys.push_back(k);
-  values.push_back(v);
-  at::Tensor full_mask = mask;
-  if (prefix_len > 0) {
-    auto front = prefix_mask(segments, layer, q, mask);
-    full_mask = at::cat({front, mask.expand({batch, front.size(1), steps, mask.size(-1)})}, -1);
+  at::Tensor bias;
+  if (biased) {
+    for (const auto& prefix : segments) {
+      biases.push_back(prefix->biases.empty() ? at::zeros({k.size(1), prefix->num_tokens()}, at::kFloat)
+                                              : prefix->biases[layer]);
+    }
+    bias = at::cat(biases, 1);
   }
-  return at::scaled_dot_product_attention(q, keys.size() == 1 ? k : at::cat(keys, 2), values.size() == 1 ? v : at::cat(values, 2),
-                                          full_mask, /*dropout_p=*/0.0, /*is_causal=*/false, /*scale=*/std::nullopt,
-                                          /*enable_gqa=*/true);
+  return split_attention_cpu(q, k, v, mask, own_causal, keys.size() == 1 ? keys[0] : at::cat(keys, 1),
+                             values.size() == 1 ? values[0] : at::cat(values, 1), bias);
 }
 
 // All rows of q see the same prefix segments.
 at::Tensor attention_shared(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                            const PrefixList& segments, int64_t layer) {
-  if (q.device().is_cpu()) return attention_fused_cpu(q, k, v, mask, segments, layer);
+                            const PrefixList& segments, int64_t layer, bool own_causal) {
+  if (q.device().is_cpu()) return attention_fused_cpu(q, k, v, mask, segments, layer, own_causal);
   const auto batch = q.size(0), heads = q.size(1), steps = q.size(2), dim = q.size(3);
   const auto kv_heads = k.size(1), groups = heads / kv_heads, total = k.size(2);
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
@@ -249,16 +234,17 @@ at::Tensor attention_shared(const at::Tensor& q, const at::Tensor& k, const at::
 }  // namespace
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                     const std::vector<PrefixList>& prefixes, int64_t layer, bool shared) {
+                     const std::vector<PrefixList>& prefixes, int64_t layer, bool shared, bool own_causal) {
   TORCH_INTERNAL_ASSERT(q.size(1) % k.size(1) == 0);
-  if (prefixes.empty()) return attention_shared(q, k, v, mask, {}, layer);
-  if (shared) return attention_shared(q, k, v, mask, prefixes[0], layer);
+  TORCH_CHECK(!own_causal || q.size(2) == k.size(2), "attention: a causal step without past needs S == T");
+  if (prefixes.empty()) return attention_shared(q, k, v, mask, {}, layer, own_causal);
+  if (shared) return attention_shared(q, k, v, mask, prefixes[0], layer, own_causal);
   // Rows with different prefixes: one row at a time, the same computation on a batch of one.
   std::vector<at::Tensor> rows;
   rows.reserve(q.size(0));
   for (int64_t b = 0; b < q.size(0); ++b) {
     rows.push_back(attention_shared(q.narrow(0, b, 1), k.narrow(0, b, 1), v.narrow(0, b, 1),
-                                    mask.narrow(0, b, 1), prefixes[b], layer));
+                                    mask.narrow(0, b, 1), prefixes[b], layer, own_causal));
   }
   return at::cat(rows, 0);
 }

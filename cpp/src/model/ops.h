@@ -40,8 +40,9 @@ at::Tensor causal_mask(const std::vector<int64_t>& past, int64_t new_tokens, int
 // Attention of q [B, H, S, D] over each row's prefix segments (all visible) followed by its
 // own keys/values k, v [B, H_kv, T, D] under `mask` [B, 1, S, T]. `prefixes` is empty, or
 // per row; when every row has the same segments pass `shared` and they are computed batched.
-// Returns [B, H, S, D].
+// `own_causal`: the mask is the plain causal one of a step without cached past (S == T), which
+// the CPU path then applies by position without reading it. Returns [B, H, S, D].
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                     const std::vector<PrefixList>& prefixes, int64_t layer, bool shared);
+                     const std::vector<PrefixList>& prefixes, int64_t layer, bool shared, bool own_causal = false);
 
 }  // namespace cartridges::ops

@@ -1,0 +1,114 @@
+#include "model/split_attention.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <optional>
+
+namespace cartridges::ops {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// [B, H, S, D] with H = H_kv * G  <->  [1, H_kv, B * G * S, D]: every row and every query head
+// of a KV head in one query sequence (query head h reads KV head h / G).
+at::Tensor fold(const at::Tensor& x, int64_t kv_heads) {
+  const auto B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3);
+  return x.reshape({B, kv_heads, H / kv_heads, S, D}).transpose(0, 1).reshape({1, kv_heads, B * H / kv_heads * S, D});
+}
+
+at::Tensor unfold(const at::Tensor& x, int64_t batch, int64_t steps) {
+  const auto kv_heads = x.size(1), D = x.size(-1);
+  const auto groups = x.size(2) / (batch * steps);
+  return x.reshape({kv_heads, batch, groups, steps, D}).transpose(0, 1).reshape({batch, kv_heads * groups, steps, D});
+}
+
+// The per-query log-sum-exp [1, H_kv, B * G * S] of the folded part, back to [B, H, S].
+at::Tensor unfold_lse(const at::Tensor& lse, int64_t batch, int64_t steps) {
+  return unfold(lse.unsqueeze(-1), batch, steps).squeeze(-1);
+}
+
+struct SplitAttention : public torch::autograd::Function<SplitAttention> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& prefix_keys, const at::Tensor& prefix_values,
+                            const std::optional<at::Tensor>& own_mask, bool own_causal,
+                            const std::optional<at::Tensor>& prefix_mask) {
+    const auto B = q.size(0), H = q.size(1), S = q.size(2);
+    const auto kv_heads = k.size(1), groups = H / kv_heads;
+    auto folded_q = fold(q, kv_heads);
+    auto pk = prefix_keys.unsqueeze(0), pv = prefix_values.unsqueeze(0);
+    auto [prefix_out, prefix_lse] =
+        at::_scaled_dot_product_flash_attention_for_cpu(folded_q, pk, pv, 0.0, false, prefix_mask);
+    auto own_k = groups == 1 ? k : k.repeat_interleave(groups, 1);
+    auto own_v = groups == 1 ? v : v.repeat_interleave(groups, 1);
+    auto [own_out, own_lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, own_k, own_v, 0.0, own_causal, own_mask);
+
+    // Each part's share of the softmax mass, per query.
+    auto prefix_lse_rows = unfold_lse(prefix_lse, B, S);
+    auto lse = at::logaddexp(prefix_lse_rows, own_lse);
+    auto prefix_share = (prefix_lse_rows - lse).exp_().unsqueeze(-1);
+    auto own_share = (own_lse - lse).exp_().unsqueeze(-1);
+    auto out = (unfold(prefix_out, B, S).to(at::kFloat).mul_(prefix_share) + own_out.to(at::kFloat).mul_(own_share))
+                   .to(q.scalar_type());
+
+    // The masks are constants (no gradient), kept beside the saved variables.
+    ctx->save_for_backward({folded_q, q, own_k, own_v, pk, pv, out, prefix_lse, own_lse, prefix_share, own_share});
+    ctx->saved_data["own_mask"] = own_mask;
+    ctx->saved_data["prefix_mask"] = prefix_mask;
+    ctx->saved_data["own_causal"] = own_causal;
+    ctx->saved_data["kv_heads"] = kv_heads;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& folded_q = saved[0];
+    const auto& q = saved[1];
+    const auto &own_k = saved[2], &own_v = saved[3], &pk = saved[4], &pv = saved[5], &out = saved[6];
+    const auto &prefix_lse = saved[7], &own_lse = saved[8], &prefix_share = saved[9], &own_share = saved[10];
+    const auto mask = ctx->saved_data["own_mask"].toOptional<at::Tensor>();
+    const auto prefix_mask = ctx->saved_data["prefix_mask"].toOptional<at::Tensor>();
+    const bool own_causal = ctx->saved_data["own_causal"].toBool();
+    const int64_t kv_heads = ctx->saved_data["kv_heads"].toInt();
+    const auto B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), T = own_k.size(2);
+    const auto groups = H / kv_heads;
+
+    // Each part's fused backward, given its share of the output gradient and the merged output
+    // (from which it takes rowsum(dO * O)), yields the whole attention's gradients for its keys.
+    auto grad = grads[0].to(at::kFloat);
+    auto prefix_grad = (grad * prefix_share).to(q.scalar_type());
+    auto own_grad = (grad * own_share).to(q.scalar_type());
+    auto [dq_prefix, dpk, dpv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+        fold(prefix_grad, kv_heads), folded_q, pk, pv, fold(out, kv_heads), prefix_lse, 0.0, false, prefix_mask);
+    auto [dq_own, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+        own_grad, q, own_k, own_v, out, own_lse, 0.0, own_causal, mask);
+    if (groups > 1) {
+      dk = dk.reshape({B, kv_heads, groups, T, D}).sum(2);
+      dv = dv.reshape({B, kv_heads, groups, T, D}).sum(2);
+    }
+    return {unfold(dq_prefix, B, S) + dq_own, dk, dv, dpk.squeeze(0), dpv.squeeze(0),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor split_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& own_mask, bool own_causal, const at::Tensor& prefix_keys,
+                               const at::Tensor& prefix_values, const at::Tensor& prefix_bias) {
+  TORCH_CHECK(q.device().is_cpu(), "split_attention_cpu: tensors must be on CPU");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && prefix_keys.dim() == 3 && q.size(1) % k.size(1) == 0,
+              "split_attention_cpu: q [B, H, S, D], k [B, H_kv, T, D] and prefix keys [H_kv, P, D]");
+  TORCH_CHECK(!own_causal || q.size(2) == k.size(2), "split_attention_cpu: a causal own part needs S == T");
+  const auto dtype = q.scalar_type();
+  std::optional<at::Tensor> prefix_mask, mask;
+  if (!own_causal) mask = own_mask.to(dtype);
+  if (prefix_bias.defined()) {
+    prefix_mask = prefix_bias.to(dtype).view({1, prefix_bias.size(0), 1, prefix_bias.size(1)});
+  }
+  return SplitAttention::apply(q, k, v, prefix_keys.to(dtype), prefix_values.to(dtype), mask, own_causal,
+                               prefix_mask);
+}
+
+}  // namespace cartridges::ops
