@@ -18,8 +18,10 @@ from . import reference
 from .core_helpers import channel_leaves, from_channels, prefix_params, random_data, reference_prefix, rms_ratios
 
 
-def test_loss_and_gradient_match_plain_pytorch(model):
-    data = random_data(model.config.vocab_size)
+# seq 40: over 64 targets, so the loss takes its rows in more than one block.
+@pytest.mark.parametrize("seq", [14, 40])
+def test_loss_and_gradient_match_plain_pytorch(model, seq):
+    data = random_data(model.config.vocab_size, seq=seq)
     params = prefix_params(model)
     rows = [3, 0, 4, 1]
     loss, count = cartridges_core.distillation_loss_sum(model.native, params, data, rows)

@@ -1,9 +1,56 @@
 // The trainable prefix, the training data's checks, and the distillation loss.
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
 
 #include "cartridges/cartridge.h"
 
 namespace cartridges {
+
+namespace {
+
+// Cross-entropy of each target's logits z [T, V] against its teacher's top-k (token ids [T, K],
+// probabilities p [T, K]): sum_k p_k (lse(z) - z[id_k]). The same value as the log-softmax
+// gathered at the ids, without a [T, V] log-softmax kept for the backward: rows are taken a
+// block at a time, and the backward rebuilds softmax(z) from the saved log-sum-exp,
+// dz = g (sum_k p_k softmax(z) - p scattered at the ids).
+struct TopKCrossEntropy : public torch::autograd::Function<TopKCrossEntropy> {
+  static constexpr int64_t kRowsPerBlock = 64;  // a block of float32 rows stays small next to [T, V]
+
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& ids,
+                            const at::Tensor& probs) {
+    const int64_t T = logits.size(0);
+    auto lse = at::empty({T}, logits.options().dtype(at::kFloat));
+    for (int64_t start = 0; start < T; start += kRowsPerBlock) {
+      const int64_t n = std::min(kRowsPerBlock, T - start);
+      lse.narrow(0, start, n).copy_(at::logsumexp(logits.narrow(0, start, n).to(at::kFloat), -1));
+    }
+    auto picked = logits.gather(1, ids).to(at::kFloat);
+    ctx->save_for_backward({logits, ids, probs, lse});
+    return probs.sum(1) * lse - (probs * picked).sum(1);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &logits = saved[0], &ids = saved[1], &probs = saved[2], &lse = saved[3];
+    const auto grad = grads[0].to(at::kFloat);
+    const auto mass = grad * probs.sum(1);  // [T]: each row's softmax weight in the gradient
+    auto out = at::empty_like(logits);
+    const int64_t T = logits.size(0);
+    for (int64_t start = 0; start < T; start += kRowsPerBlock) {
+      const int64_t n = std::min(kRowsPerBlock, T - start);
+      auto block = logits.narrow(0, start, n).to(at::kFloat).sub_(lse.narrow(0, start, n).unsqueeze(1)).exp_();
+      block.mul_(mass.narrow(0, start, n).unsqueeze(1));
+      block.scatter_add_(1, ids.narrow(0, start, n), -(grad.narrow(0, start, n).unsqueeze(1) * probs.narrow(0, start, n)));
+      out.narrow(0, start, n).copy_(block);
+    }
+    return {out, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
 
 CartridgeParams CartridgeParams::from_prefix(const KVPrefix& prefix, int64_t num_frozen) {
   const int64_t P = prefix.num_tokens();
@@ -110,8 +157,7 @@ at::Tensor distillation_target_losses(const LlamaModel& model, const CartridgePa
   ForwardBatch batch{tokens, lengths, std::move(prefixes)};
   auto hidden = model.forward_hidden(batch, nullptr);                      // [B, S, hidden]
   // Only target positions reach the lm_head: the vocabulary is large.
-  auto logprobs = at::log_softmax(model.logits(hidden.index({mask.to(device)})), -1);  // [T, V] float32
-  return -(teacher.exp() * logprobs.gather(1, ids)).sum(1);
+  return TopKCrossEntropy::apply(model.logits(hidden.index({mask.to(device)})), ids, teacher.exp());
 }
 
 std::pair<at::Tensor, int64_t> distillation_loss_sum(const LlamaModel& model, const CartridgeParams& params,
