@@ -1,4 +1,5 @@
 // RoPE, RMSNorm and attention against straightforward reference computations.
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -235,35 +236,43 @@ TEST(AttentionTest, SharedPrefixPathEqualsPerRowPath) {
 TEST(AttentionTest, SplitPathGradientsMatchReference) {
   at::manual_seed(5);
   const int64_t B = 3, H = 6, Hkv = 2, S = 5, D = 8;
-  for (bool causal : {true, false}) {
-    std::vector<int64_t> past = causal ? std::vector<int64_t>{0, 0, 0} : std::vector<int64_t>{2, 0, 1};
-    const int64_t T = causal ? S : 2 + S;
-    auto q = at::randn({B, H, S, D}).requires_grad_();
-    auto k = at::randn({B, Hkv, T, D}).requires_grad_();
-    auto v = at::randn({B, Hkv, T, D}).requires_grad_();
-    auto biased = random_prefix(2, Hkv, 4, D, /*biased=*/true), plain = random_prefix(2, Hkv, 3, D);
-    for (const auto& p : {biased, plain}) {
-      for (const auto& t : p->keys) t.requires_grad_();
-      for (const auto& t : p->values) t.requires_grad_();
-    }
-    PrefixList segments{plain, biased};
-    auto mask = ops::causal_mask(past, S, T, at::TensorOptions().dtype(at::kFloat));
-    auto grads = [&](const at::Tensor& out, const at::Tensor& weight) {
-      std::vector<at::Tensor> inputs{q, k, v, plain->keys[1], plain->values[1], biased->keys[1], biased->values[1]};
-      return torch::autograd::grad({(out * weight).sum()}, inputs);
-    };
-    auto weight = at::randn({B, H, S, D});
-    auto out = ops::attention(q, k, v, mask, std::vector<PrefixList>(B, segments), /*layer=*/1, /*shared=*/true,
-                              /*own_causal=*/causal);
-    std::vector<at::Tensor> rows;
-    for (int64_t b = 0; b < B; ++b) rows.push_back(reference_attention(q[b], k[b], v[b], {past[b]}, segments, 1));
-    auto expected = at::stack(rows);
-    EXPECT_TRUE(at::allclose(out, expected, 1e-5, 1e-5)) << (causal ? "causal" : "with past");
-    auto got = grads(out, weight), want = grads(expected, weight);
-    for (size_t i = 0; i < got.size(); ++i) {
-      EXPECT_TRUE(at::allclose(got[i], want[i], 1e-4, 1e-5)) << (causal ? "causal" : "with past") << ", input " << i;
+  const int threads = at::get_num_threads();
+  // One thread folds every row into one sequence per KV head; three (not dividing the two KV
+  // heads) give each row its own.
+  for (int fold_threads : {1, 3}) {
+    at::set_num_threads(fold_threads);
+    for (bool causal : {true, false}) {
+      std::vector<int64_t> past = causal ? std::vector<int64_t>{0, 0, 0} : std::vector<int64_t>{2, 0, 1};
+      const int64_t T = causal ? S : 2 + S;
+      auto q = at::randn({B, H, S, D}).requires_grad_();
+      auto k = at::randn({B, Hkv, T, D}).requires_grad_();
+      auto v = at::randn({B, Hkv, T, D}).requires_grad_();
+      auto biased = random_prefix(2, Hkv, 4, D, /*biased=*/true), plain = random_prefix(2, Hkv, 3, D);
+      for (const auto& p : {biased, plain}) {
+        for (const auto& t : p->keys) t.requires_grad_();
+        for (const auto& t : p->values) t.requires_grad_();
+      }
+      PrefixList segments{plain, biased};
+      auto mask = ops::causal_mask(past, S, T, at::TensorOptions().dtype(at::kFloat));
+      auto grads = [&](const at::Tensor& out, const at::Tensor& weight) {
+        std::vector<at::Tensor> inputs{q, k, v, plain->keys[1], plain->values[1], biased->keys[1], biased->values[1]};
+        return torch::autograd::grad({(out * weight).sum()}, inputs);
+      };
+      auto weight = at::randn({B, H, S, D});
+      auto out = ops::attention(q, k, v, mask, std::vector<PrefixList>(B, segments), /*layer=*/1, /*shared=*/true,
+                                /*own_causal=*/causal);
+      std::vector<at::Tensor> rows;
+      for (int64_t b = 0; b < B; ++b) rows.push_back(reference_attention(q[b], k[b], v[b], {past[b]}, segments, 1));
+      auto expected = at::stack(rows);
+      EXPECT_TRUE(at::allclose(out, expected, 1e-5, 1e-5)) << (causal ? "causal" : "with past");
+      auto got = grads(out, weight), want = grads(expected, weight);
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_TRUE(at::allclose(got[i], want[i], 1e-4, 1e-5))
+            << fold_threads << " threads, " << (causal ? "causal" : "with past") << ", input " << i;
+      }
     }
   }
+  at::set_num_threads(threads);
 }
 
 TEST(AttentionTest, GradientReachesPrefix) {

@@ -1,5 +1,6 @@
 #include "model/split_attention.h"
 
+#include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <optional>
@@ -11,20 +12,26 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// [B, H, S, D] with H = H_kv * G  <->  [1, H_kv, B * G * S, D]: every row and every query head
-// of a KV head in one query sequence (query head h reads KV head h / G).
-at::Tensor fold(const at::Tensor& x, int64_t kv_heads) {
+// [B, H, S, D] with H = H_kv * G  <->  [N, H_kv, (B / N) * G * S, D]: the query heads of a KV
+// head (query head h reads KV head h / G) and B / N rows in one query sequence. N = 1 reads the
+// prefix once for the whole batch; N = B gives B * H_kv independent sequences to share among
+// threads (ATen's fused backward splits its work by sequence and head only).
+at::Tensor fold(const at::Tensor& x, int64_t kv_heads, int64_t sequences) {
   const auto B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3);
-  return x.reshape({B, kv_heads, H / kv_heads, S, D}).transpose(0, 1).reshape({1, kv_heads, B * H / kv_heads * S, D});
+  return x.reshape({sequences, B / sequences, kv_heads, H / kv_heads, S, D})
+      .transpose(1, 2)
+      .reshape({sequences, kv_heads, B / sequences * (H / kv_heads) * S, D});
 }
 
 at::Tensor unfold(const at::Tensor& x, int64_t batch, int64_t steps) {
-  const auto kv_heads = x.size(1), D = x.size(-1);
-  const auto groups = x.size(2) / (batch * steps);
-  return x.reshape({kv_heads, batch, groups, steps, D}).transpose(0, 1).reshape({batch, kv_heads * groups, steps, D});
+  const auto sequences = x.size(0), kv_heads = x.size(1), D = x.size(-1);
+  const auto rows = batch / sequences, groups = x.size(2) / (rows * steps);
+  return x.reshape({sequences, kv_heads, rows, groups, steps, D})
+      .transpose(1, 2)
+      .reshape({batch, kv_heads * groups, steps, D});
 }
 
-// The per-query log-sum-exp [1, H_kv, B * G * S] of the folded part, back to [B, H, S].
+// The per-query log-sum-exp [N, H_kv, L] of the folded part, back to [B, H, S].
 at::Tensor unfold_lse(const at::Tensor& lse, int64_t batch, int64_t steps) {
   return unfold(lse.unsqueeze(-1), batch, steps).squeeze(-1);
 }
@@ -36,10 +43,15 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
                             const std::optional<at::Tensor>& prefix_mask) {
     const auto B = q.size(0), H = q.size(1), S = q.size(2);
     const auto kv_heads = k.size(1), groups = H / kv_heads;
-    auto folded_q = fold(q, kv_heads);
-    auto pk = prefix_keys.unsqueeze(0), pv = prefix_values.unsqueeze(0);
+    // One sequence per KV head when the threads divide the heads evenly, else one per row and head.
+    const int64_t sequences = kv_heads % at::get_num_threads() == 0 ? 1 : B;
+    auto folded_q = fold(q, kv_heads, sequences);
+    auto pk = prefix_keys.unsqueeze(0).expand({sequences, -1, -1, -1});
+    auto pv = prefix_values.unsqueeze(0).expand({sequences, -1, -1, -1});
+    std::optional<at::Tensor> pmask;
+    if (prefix_mask) pmask = prefix_mask->expand({sequences, -1, -1, -1});
     auto [prefix_out, prefix_lse] =
-        at::_scaled_dot_product_flash_attention_for_cpu(folded_q, pk, pv, 0.0, false, prefix_mask);
+        at::_scaled_dot_product_flash_attention_for_cpu(folded_q, pk, pv, 0.0, false, pmask);
     auto own_k = groups == 1 ? k : k.repeat_interleave(groups, 1);
     auto own_v = groups == 1 ? v : v.repeat_interleave(groups, 1);
     auto [own_out, own_lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, own_k, own_v, 0.0, own_causal, own_mask);
@@ -55,9 +67,10 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
     // The masks are constants (no gradient), kept beside the saved variables.
     ctx->save_for_backward({folded_q, q, own_k, own_v, pk, pv, out, prefix_lse, own_lse, prefix_share, own_share});
     ctx->saved_data["own_mask"] = own_mask;
-    ctx->saved_data["prefix_mask"] = prefix_mask;
+    ctx->saved_data["prefix_mask"] = pmask;
     ctx->saved_data["own_causal"] = own_causal;
     ctx->saved_data["kv_heads"] = kv_heads;
+    ctx->saved_data["sequences"] = sequences;
     return out;
   }
 
@@ -71,6 +84,7 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
     const auto prefix_mask = ctx->saved_data["prefix_mask"].toOptional<at::Tensor>();
     const bool own_causal = ctx->saved_data["own_causal"].toBool();
     const int64_t kv_heads = ctx->saved_data["kv_heads"].toInt();
+    const int64_t sequences = ctx->saved_data["sequences"].toInt();
     const auto B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), T = own_k.size(2);
     const auto groups = H / kv_heads;
 
@@ -80,14 +94,15 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
     auto prefix_grad = (grad * prefix_share).to(q.scalar_type());
     auto own_grad = (grad * own_share).to(q.scalar_type());
     auto [dq_prefix, dpk, dpv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-        fold(prefix_grad, kv_heads), folded_q, pk, pv, fold(out, kv_heads), prefix_lse, 0.0, false, prefix_mask);
+        fold(prefix_grad, kv_heads, sequences), folded_q, pk, pv, fold(out, kv_heads, sequences), prefix_lse, 0.0,
+        false, prefix_mask);
     auto [dq_own, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
         own_grad, q, own_k, own_v, out, own_lse, 0.0, own_causal, mask);
     if (groups > 1) {
       dk = dk.reshape({B, kv_heads, groups, T, D}).sum(2);
       dv = dv.reshape({B, kv_heads, groups, T, D}).sum(2);
     }
-    return {unfold(dq_prefix, B, S) + dq_own, dk, dv, dpk.squeeze(0), dpv.squeeze(0),
+    return {unfold(dq_prefix, B, S) + dq_own, dk, dv, dpk.sum(0), dpv.sum(0),
             at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

@@ -10,8 +10,9 @@
 //  - the own part runs causal (skipping the upper blocks) or under the row's mask.
 // The backward passes each part's fused backward its share of the output gradient and the
 // merged output, which gives the gradients of the whole attention exactly (the ring-attention
-// identity). On a training step's shapes it is about 1.2x the single fused attention, forward
-// and backward.
+// identity). On a training step's shapes (4 rows of 320 tokens, 1,024 prefix tokens, 9 query
+// and 3 KV heads, bfloat16), forward and backward, it is 1.16x the single fused attention on
+// one thread and 1.08x on two (each row its own sequence there, for the threads to share).
 
 #include <ATen/ATen.h>
 
