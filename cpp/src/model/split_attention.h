@@ -5,8 +5,9 @@
 // One fused attention over [prefix, own] keys needs a mask over all of them, expands the
 // shared prefix per row and per query head, and computes the own keys' masked upper
 // triangle. Split in two:
-//  - the prefix part folds every row and the query heads of each KV head into one long query
-//    sequence against the prefix's keys, unmasked (or with its per-key biases), read once;
+//  - the prefix part folds the query heads of each KV head (and, when the threads divide the
+//    KV heads, every row too) into one query sequence against the prefix's keys, unmasked (or
+//    with its per-key biases), never expanded per head;
 //  - the own part runs causal (skipping the upper blocks) or under the row's mask.
 // The backward passes each part's fused backward its share of the output gradient and the
 // merged output, which gives the gradients of the whole attention exactly (the ring-attention
