@@ -16,7 +16,7 @@ QuantizedMatrix random_matrix(BlockFormat format, int64_t out, int64_t in) {
   auto scale_bytes = scales.view(at::kByte).view({out, blocks, 4});
   const int64_t header = format == BlockFormat::kQ4_1 ? 4 : 2;
   bytes.narrow(2, 0, header).copy_(scale_bytes.narrow(2, 0, header));
-  return QuantizedMatrix{format, data.contiguous(), in};
+  return quantized_matrix(format, data.contiguous(), in);
 }
 
 }  // namespace
@@ -64,7 +64,7 @@ TEST_P(QuantizedTest, Int8RowResultsDoNotDependOnTheBatch) {
   // A request's logits must not change with what shares its step: each row, computed alone,
   // in a group of 2-8 and in a chunk past 64 rows, gives bit-identical outputs.
   at::manual_seed(3);
-  auto w = random_matrix(GetParam(), 40, 352);  // 11 blocks: five pairs and a lone block
+  auto w = random_matrix(GetParam(), 40, 352);  // 11 blocks; 40 features: two groups of 16 and a half
   auto x = at::randn({70, 352});
   auto all = quantized_linear(x, w, ActivationPrecision::kInt8);
   for (int64_t rows : {1, 2, 3, 5, 8, 9, 16}) {
@@ -83,13 +83,26 @@ TEST_P(QuantizedTest, Int8ResultsDoNotDependOnVnni) {
     GTEST_SKIP() << "this CPU has no AVX-512 VNNI: only the AVX2 kernel runs";
   }
   at::manual_seed(4);
-  auto w = random_matrix(GetParam(), 40, 352);  // 11 blocks: five pairs and a lone block
+  auto w = random_matrix(GetParam(), 40, 352);
   auto x = at::randn({19, 352});
   auto with_vnni = quantized_linear(x, w, ActivationPrecision::kInt8);
   const bool before = allow_vnni_for_testing(false);
   auto without = quantized_linear(x, w, ActivationPrecision::kInt8);
   allow_vnni_for_testing(before);
   EXPECT_TRUE(at::equal(with_vnni, without));
+}
+
+TEST_P(QuantizedTest, Int8ResultsDoNotDependOnSimd) {
+  // The scalar code (CPUs without AVX2) computes each output as the SIMD kernels do.
+  at::manual_seed(5);
+  auto w = random_matrix(GetParam(), 37, 352);  // a last group of 5 features
+  auto x = at::randn({6, 352});
+  x[2].narrow(0, 64, 32).zero_();  // an all-zero block has scale 0
+  auto simd = quantized_linear(x, w, ActivationPrecision::kInt8);
+  const bool before = allow_simd_for_testing(false);
+  auto scalar = quantized_linear(x, w, ActivationPrecision::kInt8);
+  allow_simd_for_testing(before);
+  EXPECT_TRUE(at::equal(simd, scalar)) << (simd - scalar).abs().max().item<float>();
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, QuantizedTest,

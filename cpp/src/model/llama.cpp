@@ -122,7 +122,7 @@ std::shared_ptr<const QuantizedMatrix> stack_quantized(
   TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.size(0) == dense.size(0) &&
                   data.size(1) == in_features / 32 * block_bytes(block),
               "quantized tensor '", names[0], "' does not match its shape ", dense.sizes(), " in ", format);
-  return std::make_shared<const QuantizedMatrix>(QuantizedMatrix{block, data, in_features});
+  return std::make_shared<const QuantizedMatrix>(quantized_matrix(block, data, in_features));
 }
 
 }  // namespace

@@ -30,13 +30,20 @@ struct QuantizedMatrix {
   BlockFormat format;
   at::Tensor data;  // uint8 [out_features, in_features / 32 * block_bytes], CPU, contiguous
   int64_t in_features;
+  // The same weights laid out for the int8 kernels (quantized_int8.cpp; about as many bytes
+  // as `data`): uint8 [groups of 16 features, blocks, 256 (4-bit) or 512 (Q8_0)] and float16
+  // [groups, blocks, 2, 16] (each feature's d, then its offset weight). Filled by
+  // quantized_matrix(); int8 activations need them.
+  at::Tensor int8_weights;
+  at::Tensor int8_scales;
   int64_t out_features() const { return data.size(0); }
 };
 
 enum class ActivationPrecision { kFloat32, kInt8 };
 
-// Input rows one pass of the kernel keeps in registers; more rows are taken in groups of
-// this many, each group re-reading a small tile of weights from cache, not from memory.
+// Input rows one pass of the float32-activation kernel keeps in registers; more rows are taken
+// in groups of this many, each group re-reading a small tile of weights from cache, not from
+// memory.
 constexpr int64_t kQuantizedRowGroup = 8;
 // Largest number of input rows the quantized kernel handles (decoding up to this many
 // requests at once); larger inputs (prefill) are faster as one float32 GEMM: the kernel's cost
@@ -53,6 +60,9 @@ inline int64_t max_quantized_rows(ActivationPrecision precision) {
   return precision == ActivationPrecision::kInt8 ? std::numeric_limits<int64_t>::max() : kMaxQuantizedRows;
 }
 
+// A QuantizedMatrix of GGUF blocks `data` with its int8 layout.
+QuantizedMatrix quantized_matrix(BlockFormat format, at::Tensor data, int64_t in_features);
+
 // y [..., out] = x [..., in] @ W^T for float32 CPU x with at most max_quantized_rows rows.
 at::Tensor quantized_linear(const at::Tensor& x, const QuantizedMatrix& w,
                             ActivationPrecision precision = ActivationPrecision::kFloat32);
@@ -64,6 +74,9 @@ at::Tensor round_activations_int8(const at::Tensor& x);
 // Whether the int8 kernels may use AVX-512 VNNI where the CPU has it (the default); returns
 // the previous setting. For tests of the AVX2 path, which must give the same bits.
 bool allow_vnni_for_testing(bool allowed);
+// Whether the int8 kernels may use SIMD at all (the default); returns the previous setting. For
+// tests of the scalar path (CPUs without AVX2), which must give the same bits.
+bool allow_simd_for_testing(bool allowed);
 
 // The float32 matrix W [out, in] (the reference the kernel is tested against).
 at::Tensor dequantize(const QuantizedMatrix& w);
