@@ -329,8 +329,9 @@ void scalar_rows(const QuantizedMatrix& w, const Int8Rows& x, int64_t r0, int64_
 
 using GroupRowsFn = void (*)(const QuantizedMatrix&, const Int8Rows&, int64_t, float*, int64_t, int64_t, int64_t);
 
-// Rows a pass keeps in registers: each holds an integer and a float accumulator, beside the
-// run's weights and the block's scales, in AVX2's 16 vector registers.
+// Rows a pass takes: each has an integer and a float accumulator, so at 8 rows some of them
+// spill from AVX2's 16 vector registers; 4 rows were no faster (docs/experiments.md, "Does
+// laying the int8 weights out by groups of features make decode faster?").
 constexpr int kRowsPerPass = 8;
 
 template <BlockFormat F>
