@@ -19,7 +19,6 @@
 
 #include "model/spin_pool.h"
 
-#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
@@ -35,6 +34,8 @@ namespace cartridges {
 namespace {
 
 constexpr int kBlock = 32;
+// Output features per group of the int8 layout (one 64-byte line per run of 4 weights).
+constexpr int64_t kInt8Group = 16;
 
 // Bytes of one group's block in the int8 layout: 16 features x 32 weights, as 4-bit pairs
 // (4-bit formats) or bytes (Q8_0).
@@ -146,8 +147,7 @@ void unpack_block(BlockFormat format, const uint8_t* block, uint8_t* q, uint16_t
   }
 }
 
-}  // namespace
-
+// `w`'s int8 layout (QuantizedMatrix::int8_weights and int8_scales) from its GGUF blocks.
 void add_int8_layout(QuantizedMatrix& w) {
   const int64_t out = w.out_features(), blocks = w.in_features / kBlock;
   const int64_t groups = (out + kInt8Group - 1) / kInt8Group;
@@ -159,7 +159,7 @@ void add_int8_layout(QuantizedMatrix& w) {
   auto* sp = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
   const uint8_t* src = w.data.data_ptr<uint8_t>();
   const bool eight_bit = w.format == BlockFormat::kQ8_0;
-  at::parallel_for(0, out, 256, [&](int64_t begin, int64_t end) {
+  parallel_for(0, out, 256, [&](int64_t begin, int64_t end) {
     uint8_t q[kBlock];
     for (int64_t n = begin; n < end; ++n) {
       const int64_t g = n / kInt8Group, lane = n % kInt8Group;
@@ -184,6 +184,8 @@ void add_int8_layout(QuantizedMatrix& w) {
   w.int8_weights = weights;
   w.int8_scales = scales;
 }
+
+}  // namespace
 
 QuantizedMatrix quantized_matrix(BlockFormat format, at::Tensor data, int64_t in_features) {
   TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.device().is_cpu() && in_features > 0 &&

@@ -7,12 +7,6 @@
 
 namespace cartridges {
 
-// Output features per group of the int8 layout: one 512-bit vector of float32 lanes.
-constexpr int64_t kInt8Group = 16;
-
-// `w`'s int8 layout (QuantizedMatrix::int8_weights and int8_scales) from its GGUF blocks.
-void add_int8_layout(QuantizedMatrix& w);
-
 // y [rows, out] = x [rows, in] @ W^T, each block of 32 activations rounded to 8 bits with its
 // own scale (round_activations_int8). `w` must have its int8 layout.
 void int8_linear(const float* x, int64_t rows, const QuantizedMatrix& w, float* y);
