@@ -8,8 +8,9 @@
 // 64-byte cache line per run), and the 16 features' scales. One dot instruction (VNNI's
 // dpbusd, or AVX2's maddubs) then multiplies a run of 8 features by 4 broadcast activations of
 // a row, a block's integers land in one lane per feature, and each lane is scaled and
-// accumulated in float32 on its own: no reduction within a vector, and a run's weights are
-// unpacked once for every row of the pass.
+// accumulated in float32 on its own: no reduction within a vector. A pass takes a group's two
+// vectors and up to 4 rows: a run's weights are unpacked once for every row of the pass, and a
+// row's broadcast activations serve both vectors.
 //
 // Every path computes each output the same way: per block, the exact integer dot product, then
 // acc = fma(d * scale, dot, acc) and, for 4-bit formats, acc = fma(offset, scale * sum(q), acc)
@@ -232,10 +233,10 @@ struct VnniDot {
   CARTRIDGES_VNNI static __m256i finish(__m256i dot) { return dot; }
 };
 
-// Rows r0..r0+R-1 against groups [g_begin, g_end), eight features (half a group) a vector:
-// per block, each run's weights are unpacked once and serve every row. One definition for both
-// targets: GCC compiles a function for one target only, and the intrinsics must inline into a
-// function of their target.
+// Rows r0..r0+R-1 against groups [g_begin, g_end), a group's 16 features as two vectors of 8:
+// per block, each run's weights are unpacked once and serve every row, and each row's broadcast
+// activations serve both vectors. One definition for both targets: GCC compiles a function for
+// one target only, and the intrinsics must inline into a function of their target.
 #define CARTRIDGES_GROUP_ROWS(NAME, TARGET, DOT)                                                                     \
   template <BlockFormat F, int R>                                                                                    \
   TARGET void NAME(const QuantizedMatrix& w, const Int8Rows& x, int64_t r0, float* y, int64_t out, int64_t g_begin, \
@@ -247,53 +248,63 @@ struct VnniDot {
     const auto* sp = reinterpret_cast<const uint16_t*>(w.int8_scales.data_ptr<at::Half>());                          \
     const __m256i low_nibbles = _mm256_set1_epi8(0x0F);                                                              \
     for (int64_t g = g_begin; g < g_end; ++g) {                                                                      \
-      for (int half = 0; half < 2; ++half) {                                                                         \
-        const int64_t n = g * kInt8Group + 8 * half, valid = std::min<int64_t>(8, out - n);                          \
-        if (valid <= 0) break;                                                                                       \
-        __m256 acc[R];                                                                                               \
-        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();                                                    \
-        for (int64_t b = 0; b < blocks; ++b) {                                                                       \
-          const uint8_t* wb = wp + (g * blocks + b) * gb + 32 * half;                                                \
-          const int8_t* xb[R];                                                                                       \
-          __m256i dot[R];                                                                                            \
-          for (int r = 0; r < R; ++r) {                                                                              \
-            xb[r] = x.q.data() + ((r0 + r) * blocks + b) * kBlock;                                                   \
-            dot[r] = _mm256_setzero_si256();                                                                         \
-          }                                                                                                          \
-          for (int j = 0; j < 8; ++j) {                                                                              \
-            __m256i wv;                                                                                              \
-            if constexpr (kEightBit) {                                                                               \
-              wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j));                                \
-            } else {                                                                                                 \
-              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * (j % 4)));             \
-              wv = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), low_nibbles);                              \
-            }                                                                                                        \
+      /* The float accumulators live in memory (touched once per block), so that the registers */                   \
+      /* hold the integer ones and the weights. */                                                                   \
+      alignas(32) float acc[R][2][8] = {};                                                                           \
+      for (int64_t b = 0; b < blocks; ++b) {                                                                         \
+        const uint8_t* wb = wp + (g * blocks + b) * gb;                                                              \
+        const int8_t* xb[R];                                                                                         \
+        __m256i dot[R][2];                                                                                           \
+        for (int r = 0; r < R; ++r) {                                                                                \
+          xb[r] = x.q.data() + ((r0 + r) * blocks + b) * kBlock;                                                     \
+          dot[r][0] = dot[r][1] = _mm256_setzero_si256();                                                            \
+        }                                                                                                            \
+        /* Q8_0: run j's weights at 64 j; 4-bit: runs j and j + 4 as the low and high nibbles at 64 j. */            \
+        _Pragma("GCC unroll 1") for (int j = 0; j < (kEightBit ? 8 : 4); ++j) {                                      \
+          const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j));                     \
+          const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j + 32));                \
+          if constexpr (kEightBit) {                                                                                 \
             for (int r = 0; r < R; ++r) {                                                                            \
               int32_t run;                                                                                           \
               std::memcpy(&run, xb[r] + 4 * j, 4);                                                                   \
-              dot[r] = DOT::template add<kEightBit>(dot[r], wv, _mm256_set1_epi32(run));                             \
+              const __m256i xv = _mm256_set1_epi32(run);                                                             \
+              dot[r][0] = DOT::template add<true>(dot[r][0], v0, xv);                                                \
+              dot[r][1] = DOT::template add<true>(dot[r][1], v1, xv);                                                \
+            }                                                                                                        \
+          } else {                                                                                                   \
+            /* The low nibbles (run j), then the high ones (run j + 4): two weight vectors live at a time. */        \
+            for (int part = 0; part < 2; ++part) {                                                                   \
+              const __m256i w0 = _mm256_and_si256(part ? _mm256_srli_epi16(v0, 4) : v0, low_nibbles);                \
+              const __m256i w1 = _mm256_and_si256(part ? _mm256_srli_epi16(v1, 4) : v1, low_nibbles);                \
+              for (int r = 0; r < R; ++r) {                                                                          \
+                int32_t run;                                                                                         \
+                std::memcpy(&run, xb[r] + 4 * j + 16 * part, 4);                                                     \
+                const __m256i xv = _mm256_set1_epi32(run);                                                           \
+                dot[r][0] = DOT::template add<false>(dot[r][0], w0, xv);                                             \
+                dot[r][1] = DOT::template add<false>(dot[r][1], w1, xv);                                             \
+              }                                                                                                      \
             }                                                                                                        \
           }                                                                                                          \
-          const uint16_t* sb = sp + (g * blocks + b) * 2 * kInt8Group + 8 * half;                                    \
-          const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));                   \
-          const __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + kInt8Group))); \
+        }                                                                                                            \
+        const uint16_t* sb = sp + (g * blocks + b) * 2 * kInt8Group;                                                 \
+        for (int h = 0; h < 2; ++h) {                                                                                \
+          const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8 * h)));           \
+          const __m256 offset =                                                                                      \
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + kInt8Group + 8 * h)));           \
           for (int r = 0; r < R; ++r) {                                                                              \
             const int64_t i = (r0 + r) * blocks + b;                                                                 \
             const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i]));                                          \
-            acc[r] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(DOT::template finish<kEightBit>(dot[r])), acc[r]);       \
-            if constexpr (!kEightBit) acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.sums[i]), acc[r]);           \
+            __m256 a = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(DOT::template finish<kEightBit>(dot[r][h])),           \
+                                       _mm256_load_ps(acc[r][h]));                                                   \
+            if constexpr (!kEightBit) a = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.sums[i]), a);                     \
+            _mm256_store_ps(acc[r][h], a);                                                                           \
           }                                                                                                          \
         }                                                                                                            \
-        for (int r = 0; r < R; ++r) {                                                                                \
-          float* dst = y + (r0 + r) * out + n;                                                                       \
-          if (valid == 8) {                                                                                          \
-            _mm256_storeu_ps(dst, acc[r]);                                                                           \
-          } else {                                                                                                   \
-            float lanes[8];                                                                                          \
-            _mm256_storeu_ps(lanes, acc[r]);                                                                         \
-            std::memcpy(dst, lanes, valid * sizeof(float));                                                          \
-          }                                                                                                          \
-        }                                                                                                            \
+      }                                                                                                              \
+      for (int h = 0; h < 2; ++h) {                                                                                  \
+        const int64_t n = g * kInt8Group + 8 * h, valid = std::min<int64_t>(8, out - n);                             \
+        if (valid <= 0) break;                                                                                       \
+        for (int r = 0; r < R; ++r) std::memcpy(y + (r0 + r) * out + n, acc[r][h], valid * sizeof(float));          \
       }                                                                                                              \
     }                                                                                                                \
   }
@@ -331,19 +342,19 @@ void scalar_rows(const QuantizedMatrix& w, const Int8Rows& x, int64_t r0, int64_
 
 using GroupRowsFn = void (*)(const QuantizedMatrix&, const Int8Rows&, int64_t, float*, int64_t, int64_t, int64_t);
 
-// Rows a pass takes: each has an integer and a float accumulator, so at 8 rows some of them
-// spill from AVX2's 16 vector registers; 4 rows were no faster (docs/experiments.md, "Does
-// laying the int8 weights out by groups of features make decode faster?").
-constexpr int kRowsPerPass = 8;
+// Rows a pass takes: each has two integer accumulators (a group's two vectors), which with the
+// two weight vectors, the broadcast activations and the nibble mask fit AVX2's 16 vector
+// registers at 4 rows; 5 rows were no faster (docs/experiments.md, "Does a pass over both
+// halves of a group make the int8 kernel faster?").
+constexpr int kRowsPerPass = 4;
 
 template <BlockFormat F>
 GroupRowsFn pick(int64_t rows, bool vnni) {
-  static constexpr GroupRowsFn avx2[kRowsPerPass] = {
-      group_rows_avx2<F, 1>, group_rows_avx2<F, 2>, group_rows_avx2<F, 3>, group_rows_avx2<F, 4>,
-      group_rows_avx2<F, 5>, group_rows_avx2<F, 6>, group_rows_avx2<F, 7>, group_rows_avx2<F, 8>};
-  static constexpr GroupRowsFn with_vnni[kRowsPerPass] = {
-      group_rows_vnni<F, 1>, group_rows_vnni<F, 2>, group_rows_vnni<F, 3>, group_rows_vnni<F, 4>,
-      group_rows_vnni<F, 5>, group_rows_vnni<F, 6>, group_rows_vnni<F, 7>, group_rows_vnni<F, 8>};
+  static_assert(kRowsPerPass == 4, "one kernel per row count up to kRowsPerPass");
+  static constexpr GroupRowsFn avx2[kRowsPerPass] = {group_rows_avx2<F, 1>, group_rows_avx2<F, 2>,
+                                                     group_rows_avx2<F, 3>, group_rows_avx2<F, 4>};
+  static constexpr GroupRowsFn with_vnni[kRowsPerPass] = {group_rows_vnni<F, 1>, group_rows_vnni<F, 2>,
+                                                          group_rows_vnni<F, 3>, group_rows_vnni<F, 4>};
   return (vnni ? with_vnni : avx2)[rows - 1];
 }
 
