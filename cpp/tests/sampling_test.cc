@@ -3,6 +3,8 @@
 
 #include "cartridges/engine.h"
 
+#include <limits>
+
 using namespace cartridges;
 
 namespace {
@@ -13,6 +15,30 @@ TEST(SamplingTest, GreedyTakesArgmax) {
   Sampler sampler(SamplingParams{});
   auto logits = at::tensor({0.1f, 2.0f, -1.0f, 1.9f});
   EXPECT_EQ(sampler.sample(logits), 1);
+}
+
+TEST(SamplingTest, FirstArgmaxAgreesWithAten) {
+  at::manual_seed(0);
+  // Lengths around the vector width and the tail, the vocabulary's; ties, infinities, NaN.
+  for (int64_t n : {1, 7, 8, 9, 15, 16, 17, 100, 49152, 49159}) {
+    std::vector<at::Tensor> rows = {at::randn({n}), at::randint(0, 3, {n}).to(at::kFloat),
+                                    at::full({n}, -std::numeric_limits<float>::infinity()), at::zeros({n})};
+    auto with_nan = at::randn({n});
+    with_nan[n / 2] = std::numeric_limits<float>::quiet_NaN();
+    rows.push_back(with_nan);
+    auto last = at::randn({n});
+    last[n - 1] = 100.f;  // the largest in the tail
+    rows.push_back(last);
+    auto signed_zeros = at::zeros({n});
+    signed_zeros.narrow(0, 0, (n + 1) / 2).fill_(-0.f);  // -0 == 0: the first index wins
+    rows.push_back(signed_zeros);
+    for (const auto& row : rows) {
+      EXPECT_EQ(first_argmax(row), row.argmax().item<int64_t>()) << "n = " << n;
+    }
+  }
+  // A strided row (a column of a matrix) goes to ATen.
+  auto matrix = at::randn({64, 3});
+  EXPECT_EQ(first_argmax(matrix.select(1, 1)), matrix.select(1, 1).argmax().item<int64_t>());
 }
 
 TEST(SamplingTest, TopKKeepsExactlyKMostLikely) {

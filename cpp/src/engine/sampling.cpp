@@ -1,5 +1,7 @@
 #include <ATen/CPUGeneratorImpl.h>
+#include <immintrin.h>
 
+#include <cmath>
 #include <limits>
 #include <random>
 
@@ -15,7 +17,58 @@ uint64_t seed_for(int64_t requested) {
   std::random_device device;
   return (static_cast<uint64_t>(device()) << 32) | device();
 }
+// First index of the largest of x[0, n), n >= 8; -1 when a NaN is among them (ATen's argmax
+// decides then). Each lane keeps its first largest value (strictly greater replaces), and the
+// lanes' ties go to the smallest index.
+__attribute__((target("avx2"))) int64_t first_argmax_avx2(const float* x, int64_t n) {
+  __m256 best = _mm256_loadu_ps(x);
+  __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), best_index = index;
+  __m256 nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
+  const __m256i eight = _mm256_set1_epi32(8);
+  int64_t i = 8;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    index = _mm256_add_epi32(index, eight);
+    const __m256 greater = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+    best = _mm256_blendv_ps(best, v, greater);
+    best_index = _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(best_index), _mm256_castsi256_ps(index), greater));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  if (_mm256_movemask_ps(nan) != 0) return -1;
+  alignas(32) float values[8];
+  alignas(32) int32_t indices[8];
+  _mm256_store_ps(values, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(indices), best_index);
+  int64_t found = indices[0];
+  float top = values[0];
+  for (int lane = 1; lane < 8; ++lane) {
+    if (values[lane] > top || (values[lane] == top && indices[lane] < found)) {
+      top = values[lane];
+      found = indices[lane];
+    }
+  }
+  for (; i < n; ++i) {  // the tail: later indices, so only a strictly larger value wins
+    if (std::isnan(x[i])) return -1;
+    if (x[i] > top) {
+      top = x[i];
+      found = i;
+    }
+  }
+  return found;
+}
+
 }  // namespace
+
+int64_t first_argmax(const at::Tensor& row) {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2 && row.device().is_cpu() && row.scalar_type() == at::kFloat && row.dim() == 1 && row.is_contiguous() &&
+      row.size(0) >= 8 && row.size(0) <= std::numeric_limits<int32_t>::max()) {
+    const int64_t found = first_argmax_avx2(row.data_ptr<float>(), row.size(0));
+    if (found >= 0) return found;
+  }
+  return row.argmax().item<int64_t>();
+}
 
 at::Tensor apply_logit_bias(const at::Tensor& logits, const std::map<int64_t, double>& bias) {
   if (bias.empty()) return logits;
@@ -64,7 +117,7 @@ Sampler::Sampler(const SamplingParams& params)
 
 int64_t Sampler::sample(const at::Tensor& logits) {
   auto row = apply_logit_bias(logits.to(at::kCPU, at::kFloat), params_.logit_bias);
-  if (params_.temperature == 0.0) return row.argmax().item<int64_t>();
+  if (params_.temperature == 0.0) return first_argmax(row.contiguous());
   row = row / params_.temperature;
   row = filter_top_k(row, params_.top_k);
   row = filter_top_p(row, params_.top_p);
