@@ -5,11 +5,11 @@
 //
 //     build/py/bench_int8_kernel [threads=1] [rows=1,4,16,64]
 //
-// Built with the GoogleTest suite (`make build`). Weights are random blocks in the default
-// model's formats (Q4_1 layers, the Q8_0 embedding as the output layer); "hot" repeats one
-// matrix (in cache), "model" runs a forward's 121 products in order on distinct matrices, so
-// their weights come from memory as in a decode step. Prints a hash of each output: a change
-// that keeps the arithmetic must keep the hashes.
+// Built with the GoogleTest suite (`make build`). Weights are random blocks (the tests'
+// random_quantized_matrix) in the default model's formats (Q4_1 layers, the Q8_0 embedding as
+// the output layer); "hot" repeats one matrix (in cache), "model" runs a forward's 121
+// products in order on distinct matrices, so their weights come from memory as in a decode
+// step. Prints a hash of each output: a change that keeps the arithmetic must keep the hashes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -17,12 +17,12 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "model/quantized_int8.h"
+#include "random_quantized.h"
 
 using namespace cartridges;
 
@@ -41,21 +41,6 @@ const Shape kShapes[] = {{"qkv", BlockFormat::kQ4_1, 960, 576, 30},
                          {"gate_up", BlockFormat::kQ4_1, 3072, 576, 30},
                          {"down", BlockFormat::kQ4_1, 576, 1536, 30},
                          {"lm_head", BlockFormat::kQ8_0, 49152, 576, 1}};
-
-QuantizedMatrix random_matrix(BlockFormat format, int64_t out, int64_t in) {
-  const int64_t bb = block_bytes(format), row_bytes = in / 32 * bb;
-  auto data = at::randint(0, 256, {out, row_bytes}, at::kByte);
-  uint8_t* p = data.data_ptr<uint8_t>();
-  const uint16_t d = c10::Half(0.01f).x, m = c10::Half(-0.05f).x;  // scales of a plausible size
-  for (int64_t r = 0; r < out; ++r) {
-    for (int64_t b = 0; b < in / 32; ++b) {
-      uint8_t* block = p + r * row_bytes + b * bb;
-      std::memcpy(block, &d, 2);
-      if (format == BlockFormat::kQ4_1) std::memcpy(block + 2, &m, 2);
-    }
-  }
-  return quantized_matrix(format, data, in);
-}
 
 template <typename F>
 double best_ms(int trials, int repeats, const F& fn) {
@@ -91,10 +76,10 @@ int main(int argc, char** argv) {
   std::printf("int8 kernel, %d thread(s), AVX2 %s; GMAC/s = 1e9 multiply-adds a second, best of 15\n", threads,
               cpu_has_avx2() ? "yes" : "no");
   std::vector<QuantizedMatrix> hot;
-  for (const auto& s : kShapes) hot.push_back(random_matrix(s.format, s.out, s.in));
+  for (const auto& s : kShapes) hot.push_back(random_quantized_matrix(s.format, s.out, s.in));
   std::vector<QuantizedMatrix> model;  // one forward's products, each its own matrix
   for (const auto& s : kShapes) {
-    for (int i = 0; i < s.per_forward; ++i) model.push_back(random_matrix(s.format, s.out, s.in));
+    for (int i = 0; i < s.per_forward; ++i) model.push_back(random_quantized_matrix(s.format, s.out, s.in));
   }
   for (const int64_t rows : row_counts) {
     auto x = at::randn({rows, 1536});
@@ -113,7 +98,8 @@ int main(int argc, char** argv) {
     const double ms = best_ms(15, 1, [&] {
       for (const auto& w : model) int8_linear(x.data_ptr<float>(), rows, w, y.data_ptr<float>());
     });
-    std::printf("rows %3ld  model (121 products) %9.3f ms %7.1f GMAC/s\n", static_cast<long>(rows), ms, macs / ms / 1e6);
+    std::printf("rows %3ld  model (121 products) %9.3f ms %7.1f GMAC/s\n", static_cast<long>(rows), ms,
+                macs / ms / 1e6);
   }
   return 0;
 }

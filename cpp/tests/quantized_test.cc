@@ -2,30 +2,16 @@
 #include <gtest/gtest.h>
 
 #include "model/quantized.h"
+#include "random_quantized.h"
 
 using namespace cartridges;
 
-namespace {
-
-// Random blocks with sensible scales: d, m as float16 in [-0.1, 0.1], random payload bytes.
-QuantizedMatrix random_matrix(BlockFormat format, int64_t out, int64_t in) {
-  const int64_t bb = block_bytes(format), blocks = in / 32;
-  auto data = at::randint(0, 256, {out, blocks * bb}, at::kLong).to(at::kByte);
-  auto scales = (at::rand({out, blocks, 2}) * 0.2 - 0.1).to(at::kHalf);
-  auto bytes = data.view({out, blocks, bb});
-  auto scale_bytes = scales.view(at::kByte).view({out, blocks, 4});
-  const int64_t header = format == BlockFormat::kQ4_1 ? 4 : 2;
-  bytes.narrow(2, 0, header).copy_(scale_bytes.narrow(2, 0, header));
-  return quantized_matrix(format, data.contiguous(), in);
-}
-
-}  // namespace
 
 class QuantizedTest : public ::testing::TestWithParam<BlockFormat> {};
 
 TEST_P(QuantizedTest, MatchesLinearOnDequantizedWeights) {
   at::manual_seed(0);
-  auto w = random_matrix(GetParam(), 200, 96);
+  auto w = random_quantized_matrix(GetParam(), 200, 96);
   auto dense = dequantize(w);
   ASSERT_TRUE(at::isfinite(dense).all().item<bool>());
   for (int64_t rows = 1; rows <= kMaxQuantizedRows; ++rows) {
@@ -42,7 +28,7 @@ TEST_P(QuantizedTest, MatchesLinearOnDequantizedWeights) {
 
 TEST_P(QuantizedTest, Int8ActivationsMatchLinearOnRoundedActivations) {
   at::manual_seed(1);
-  auto w = random_matrix(GetParam(), 200, 96);
+  auto w = random_quantized_matrix(GetParam(), 200, 96);
   auto dense = dequantize(w);
   for (int64_t rows : std::vector<int64_t>{1, 2, 7, 8, 9, 16, 20, 33, 64, 150}) {
     auto x = at::randn({rows, 96});
@@ -64,7 +50,7 @@ TEST_P(QuantizedTest, Int8RowResultsDoNotDependOnTheBatch) {
   // A request's logits must not change with what shares its step: each row, computed alone,
   // in a group of 2-8 and in a chunk past 64 rows, gives bit-identical outputs.
   at::manual_seed(3);
-  auto w = random_matrix(GetParam(), 40, 352);  // 11 blocks; 40 features: two groups of 16 and a half
+  auto w = random_quantized_matrix(GetParam(), 40, 352);  // 11 blocks; 40 features: two groups of 16 and a half
   auto x = at::randn({70, 352});
   auto all = quantized_linear(x, w, ActivationPrecision::kInt8);
   for (int64_t rows : {1, 2, 3, 5, 8, 9, 16}) {
@@ -83,7 +69,7 @@ TEST_P(QuantizedTest, Int8ResultsDoNotDependOnVnni) {
     GTEST_SKIP() << "this CPU has no AVX-512 VNNI: only the AVX2 kernel runs";
   }
   at::manual_seed(4);
-  auto w = random_matrix(GetParam(), 40, 352);
+  auto w = random_quantized_matrix(GetParam(), 40, 352);
   auto x = at::randn({19, 352});
   auto with_vnni = quantized_linear(x, w, ActivationPrecision::kInt8);
   const bool before = allow_vnni_for_testing(false);
@@ -95,7 +81,7 @@ TEST_P(QuantizedTest, Int8ResultsDoNotDependOnVnni) {
 TEST_P(QuantizedTest, Int8ResultsDoNotDependOnSimd) {
   // The scalar code (CPUs without AVX2) computes each output as the SIMD kernels do.
   at::manual_seed(5);
-  auto w = random_matrix(GetParam(), 37, 352);  // a last group of 5 features
+  auto w = random_quantized_matrix(GetParam(), 37, 352);  // a last group of 5 features
   auto x = at::randn({6, 352});
   x[2].narrow(0, 64, 32).zero_();  // an all-zero block has scale 0
   auto simd = quantized_linear(x, w, ActivationPrecision::kInt8);

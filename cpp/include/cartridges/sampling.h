@@ -40,6 +40,7 @@ class Sampler {
 // counts as largest): a greedy step's token. AVX2 where the CPU has it; ATen's argmax reads a
 // 49,152-word row at about 2 ns a word, a cost paid once per sequence per decode step.
 int64_t first_argmax(const at::Tensor& row);
+
 // Logits with `bias` added to the named tokens (ids must be inside the vocabulary).
 at::Tensor apply_logit_bias(const at::Tensor& logits, const std::map<int64_t, double>& bias);
 // Logits with everything outside the k most likely tokens set to -inf.

@@ -6,6 +6,7 @@
 #include <random>
 
 #include "cartridges/engine.h"
+#include "model/quantized_int8.h"  // cpu_has_avx2
 
 namespace cartridges {
 
@@ -61,9 +62,8 @@ __attribute__((target("avx2"))) int64_t first_argmax_avx2(const float* x, int64_
 }  // namespace
 
 int64_t first_argmax(const at::Tensor& row) {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2 && row.device().is_cpu() && row.scalar_type() == at::kFloat && row.dim() == 1 && row.is_contiguous() &&
-      row.size(0) >= 8 && row.size(0) <= std::numeric_limits<int32_t>::max()) {
+  if (cpu_has_avx2() && row.device().is_cpu() && row.scalar_type() == at::kFloat && row.dim() == 1 &&
+      row.is_contiguous() && row.size(0) >= 8 && row.size(0) <= std::numeric_limits<int32_t>::max()) {
     const int64_t found = first_argmax_avx2(row.data_ptr<float>(), row.size(0));
     if (found >= 0) return found;
   }
