@@ -207,6 +207,16 @@ def test_verify_fraction_zero_draws_the_seed_prompts_of_a_config_without_it():
     assert {"recall", "cloze"} <= set(mixed)
 
 
+def test_cloze_fraction_sets_the_share_of_cloze_among_recall_and_cloze():
+    even = draw_seed_prompts(random.Random(5), 40, 1.0, 0.25)
+    assert draw_seed_prompts(random.Random(5), 40, 1.0, 0.25, 0.5) == even
+    recall_only = [kind for kind, _ in draw_seed_prompts(random.Random(5), 400, 1.0, 0.25, 0.0)]
+    assert "cloze" not in recall_only and {"recall", VERIFY} <= set(recall_only)
+    assert 0.15 < recall_only.count(VERIFY) / len(recall_only) < 0.35
+    mostly_cloze = [kind for kind, _ in draw_seed_prompts(random.Random(5), 400, 1.0, 0.0, 0.8)]
+    assert 0.7 < mostly_cloze.count("cloze") / len(mostly_cloze) < 0.9
+
+
 @pytest.mark.parametrize("total, start, length", [(1000, 0, 100), (1000, 450, 100), (1000, 900, 100), (400, 150, 100)])
 def test_a_partner_chunk_lies_a_quarter_of_the_corpus_away(total, start, length):
     rng = random.Random(0)

@@ -151,7 +151,8 @@ class TrainConfig(BaseModel):
     written_fraction: float = Field(1.0, ge=0.0, le=1.0)
     """Share of the conversations written from the chunk itself rather than by A and B: "recall"
     (a sentence's start quoted, the rest asked for) and "cloze" (a number or name blanked out),
-    half each, with the document's own words as the answer, scored by the teacher. They carry
+    half each by default (`cloze_fraction`), with the document's own words as the answer, scored
+    by the teacher. They carry
     the facts verbatim and cost no generation. The default, 1, leaves A and B out: with the
     default 135M model their conversations did not help and cost time; larger models, which
     write and answer better, may gain from some, e.g. 0.4 (docs/experiments.md, "Which
@@ -166,6 +167,11 @@ class TrainConfig(BaseModel):
     and 0 up to it, where they lowered the two short documents measured
     (`default_verify_fraction`; docs/experiments.md, "Do yes/no conversations stop the cartridge
     from losing yes/no questions?")."""
+    cloze_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    """Share of the written conversations other than "verify" ones that are "cloze"; the rest
+    are "recall". A cloze answer is a few tokens, a recall answer up to max_answer_tokens, so
+    under the default loss_weighting the recall rows carry most of the signal (a cloze row
+    about 1.5% of a step's); 0.5, the default, draws them at even odds."""
     joined_fraction: float = Field(0.0, ge=0.0, le=1.0)
     """Share of the conversations that join two parts of the corpus far apart (their centres
     at least a quarter of it apart, the chunks never overlapping): the message quotes the start of a sentence from each

@@ -91,18 +91,21 @@ _TEMPLATES = {**SEED_PROMPTS, RECALL: RECALL_TEMPLATES, CLOZE: CLOZE_TEMPLATES, 
 
 
 def draw_seed_prompts(rng: random.Random, n: int, written_fraction: float,
-                      verify_fraction: float = 0.0) -> list[tuple[str, str]]:
+                      verify_fraction: float = 0.0, cloze_fraction: float = 0.5) -> list[tuple[str, str]]:
     """`n` (kind, prompt) pairs: with probability `written_fraction` a written kind (the prompt
     is a template that `written_message` fills in): "verify" with probability
-    `verify_fraction`, else "recall" or "cloze" at even odds; otherwise one of A's kinds drawn by
-    KIND_WEIGHTS; then a prompt of that kind. A `verify_fraction` of 0 draws nothing for it, so
-    that the other draws are those of a config without it."""
+    `verify_fraction`, else "cloze" with probability `cloze_fraction` and "recall" otherwise;
+    otherwise one of A's kinds drawn by KIND_WEIGHTS; then a prompt of that kind. A
+    `verify_fraction` of 0 draws nothing for it, and a `cloze_fraction` of 0.5 draws as an even
+    choice, so that the other draws are those of a config without them."""
     a_kinds = tuple(KIND_WEIGHTS)
 
     def written_kind() -> str:
         if verify_fraction > 0 and rng.random() < verify_fraction:
             return VERIFY
-        return rng.choice((RECALL, CLOZE))
+        if cloze_fraction == 0.5:
+            return rng.choice((RECALL, CLOZE))
+        return CLOZE if rng.random() < cloze_fraction else RECALL
 
     kinds = [
         written_kind() if rng.random() < written_fraction

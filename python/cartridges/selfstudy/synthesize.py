@@ -178,7 +178,7 @@ class Synthesizer:
         their answer with both chunks in context."""
         cfg = self.config
         chunk_text = self.tok.decode(corpus.tokens[view.chunk.start : view.chunk.end])
-        seeds = draw_seed_prompts(rng, n, cfg.written_fraction, cfg.verify_fraction)
+        seeds = draw_seed_prompts(rng, n, cfg.written_fraction, cfg.verify_fraction, cfg.cloze_fraction)
         a_seeds = [rng.getrandbits(31) for _ in range(n)]
         questions, written = [""] * n, {}  # written: row -> its answer, from the chunk
         joined = self._joined_rows(corpus, view, rng, n)  # rows that join the chunk with a distant one
