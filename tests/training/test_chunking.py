@@ -103,15 +103,16 @@ def test_default_number_of_conversations_scales_with_the_corpus():
 
 
 def test_a_corpus_beyond_the_context_gets_the_long_corpus_plan():
-    """Up to LONG_CORPUS_TOKENS: two epochs, no yes/no conversations, the corpus' first tokens
-    as the initialization; beyond: one epoch, a quarter of the written conversations yes/no,
-    the whole corpus compacted. What a config gives is kept."""
+    """Up to LONG_CORPUS_TOKENS: two epochs, no yes/no conversations, recall and cloze at even
+    odds, the corpus' first tokens as the initialization; beyond: one epoch, a quarter of the
+    written conversations yes/no and the rest recall, the whole corpus compacted. What a config
+    gives is kept."""
     short, long = TrainConfig().for_corpus(LONG_CORPUS_TOKENS), TrainConfig().for_corpus(LONG_CORPUS_TOKENS + 1)
-    assert (short.epochs, short.verify_fraction, short.init) == (2, 0.0, "corpus")
-    assert (long.epochs, long.verify_fraction, long.init) == (1, 0.25, "compact")
+    assert (short.epochs, short.verify_fraction, short.cloze_fraction, short.init) == (2, 0.0, 0.5, "corpus")
+    assert (long.epochs, long.verify_fraction, long.cloze_fraction, long.init) == (1, 0.25, 0.0, "compact")
     assert long.for_corpus(LONG_CORPUS_TOKENS + 1) is long  # decided once
-    given = TrainConfig(epochs=3, verify_fraction=0.0, init="spread").for_corpus(50_000)
-    assert (given.epochs, given.verify_fraction, given.init) == (3, 0.0, "spread")
+    given = TrainConfig(epochs=3, verify_fraction=0.0, cloze_fraction=0.3, init="spread").for_corpus(50_000)
+    assert (given.epochs, given.verify_fraction, given.cloze_fraction, given.init) == (3, 0.0, 0.3, "spread")
     assert TrainConfig().init is None and TrainConfig(init="compact").for_corpus(100).init == "compact"
 
 
