@@ -161,10 +161,11 @@ class TrainConfig(BaseModel):
     """Share of the conversations written from the chunk itself rather than by A and B: "recall"
     (a sentence's start quoted, the rest asked for) and "cloze" (a number or name blanked out),
     in the shares `cloze_fraction` sets, with the document's own words as the answer, scored by
-    the teacher. They carry the facts verbatim and cost no generation. The default, 1, leaves A and B out: with the
-    default 135M model their conversations did not help and cost time; larger models, which
-    write and answer better, may gain from some, e.g. 0.4 (docs/experiments.md, "Which
-    changes to synthesis make self-study carry the document's facts?")."""
+    the teacher. They carry the facts verbatim and cost no generation. The default, 1, leaves A
+    and B out: with the default 135M model their conversations did not help and cost time;
+    larger models, which write and answer better, may gain from some, e.g. 0.4
+    (docs/experiments.md, "Which changes to synthesis make self-study carry the document's
+    facts?")."""
     verify_fraction: float | None = Field(None, ge=0.0, le=1.0)
     """Share of the written conversations that are "verify": a sentence of the chunk as a
     statement, true or (at even odds) with one number or name swapped for another of the
@@ -344,8 +345,8 @@ class TrainConfig(BaseModel):
     def for_corpus(self, corpus_tokens: int) -> TrainConfig:
         """This config with what it leaves to the corpus decided for a corpus of `corpus_tokens`
         tokens: num_tokens, num_samples (and with it quality_samples), epochs, verify_fraction,
-        cloze_fraction and init. A cartridge initialized from corpus tokens ("corpus", "spread") is never
-        longer than the corpus. A config decided for a corpus stays as it is when decided again
+        cloze_fraction and init. A cartridge initialized from corpus tokens ("corpus", "spread")
+        is never longer than the corpus. A config decided for a corpus stays as it is when decided again
         for the same one."""
         decided: dict[str, Any] = {}
         init = default_init(corpus_tokens) if self.init is None else self.init
