@@ -14,7 +14,8 @@ Conditions, scored on the same questions by the scorer of eval_cartridge.py (eva
   cartridge+retrieval  the cartridge in front and the retrieved chunks in the prompt
 "recovered" = (condition - none) / (oracle - none) on log p(gold) per token: overall, per
 section and per question kind, next to the exact-answer rate (the gold in a greedy reply).
-A bar chart per document (one group of bars per section) goes to --plot-dir.
+A bar chart per document (one group of bars per section) goes to --plot-dir (docs/images for a
+run of the defaults with every condition, or --from-json; CARTRIDGE_DIR/plots otherwise).
 
     python benchmarks/eval_long.py --baselines-only              # no training (minutes)
     python benchmarks/eval_long.py --docs atlas --out atlas.json # trains the atlas' cartridge
@@ -329,7 +330,10 @@ def main() -> int:
     parser.add_argument("--conditions", type=lambda v: [c.strip() for c in v.split(",")], default=list(CONDITIONS),
                         metavar="A,B,...", help=f"the conditions to run, of {', '.join(CONDITIONS)} (none and oracle "
                         "always run)")
-    parser.add_argument("--plot-dir", type=Path, default=Path("docs/images"), help="where the bar charts go")
+    parser.add_argument("--plot-dir", type=Path, default=None,
+                        help="where the bar charts go (default: docs/images for a run of the defaults with every "
+                        "condition and question, or --from-json; CARTRIDGE_DIR/plots for any other run, so that it "
+                        "does not overwrite the charts the docs show)")
     parser.add_argument("--from-json", nargs="+", type=Path, metavar="JSON",
                         help="no evaluation: the tables and charts of earlier runs' --out files, together (runs of "
                         "one document are joined: the later one's conditions added to the earlier one's)")
@@ -338,6 +342,10 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown conditions {sorted(unknown)}; choose from {', '.join(CONDITIONS)}")
 
+    if args.plot_dir is None:
+        full_run = (not args.overrides and not args.baselines_only and set(args.conditions) == set(CONDITIONS)
+                    and not args.max_questions)
+        args.plot_dir = Path("docs/images") if args.from_json or full_run else args.cartridge_dir / "plots"
     if args.from_json:
         report = {"documents": {}}
         for path in args.from_json:
