@@ -174,3 +174,45 @@ def test_the_database_connection_probes_a_silent_peer(tmp_path: Path, postgres_u
         assert all(s <= 10 for s in seconds), ours
     finally:
         store.close()
+
+
+def test_a_stalled_database_process_fails_the_call_and_the_next_reconnects(
+        tmp_path: Path, postgres_url: str, postgres_admin_url: str) -> None:
+    """A server process that stops answering while its host stays up (a hung disk or a paused
+    machine; SIGSTOP here) still has every packet acknowledged by the host's kernel, so TCP
+    keepalives never fire and its statement timeout never runs. The store gives up on the reply
+    after the statement timeout (30 s) and two seconds: the call fails as unavailable (a 503),
+    and the next call reconnects to a fresh server process while the stalled one stays stopped."""
+    import signal
+
+    import psycopg
+
+    from cartridges.store import core, open_store
+
+    store = open_store(tmp_path / "data", sync=False, database_url=postgres_url)
+    try:
+        store.create_user("alice")
+        with psycopg.connect(postgres_admin_url, autocommit=True) as admin:
+            pids = [row[0] for row in admin.execute(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = 'cartridges' AND datname = %s",
+                (postgres_url.rsplit("/", 1)[1],))]
+        assert pids
+        try:
+            os.kill(pids[0], 0)
+        except ProcessLookupError:
+            pytest.skip("the test database runs on another machine: its processes cannot be stopped from here")
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(core().UnavailableError, match="no reply in 32 s"):
+                store.list_users()
+            assert 30 <= time.monotonic() - started < 45
+            assert [u.name for u in store.list_users()] == ["alice"]  # a fresh connection
+            store.create_user("bob")
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        assert sorted(u.name for u in store.list_users()) == ["alice", "bob"]
+    finally:
+        store.close()

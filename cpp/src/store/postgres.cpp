@@ -1,7 +1,10 @@
 // The store's PostgreSQL connection (libpq): one database that several replicas share.
 #include <libpq-fe.h>
+#include <poll.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <set>
 #include <stdexcept>
@@ -157,8 +160,13 @@ class PgConnection final : public Connection {
       conn_ = nullptr;
       throw UnavailableError("cannot reach the database " + describe_ + ": " + trim(message));
     }
-    configure(options.busy_timeout_ms);
     busy_timeout_ms_ = options.busy_timeout_ms;
+    try {
+      configure();
+    } catch (...) {
+      PQfinish(conn_);  // the destructor does not run for a constructor that throws
+      throw;
+    }
   }
   ~PgConnection() override { PQfinish(conn_); }
 
@@ -166,7 +174,7 @@ class PgConnection final : public Connection {
   std::unique_ptr<Cursor> prepare(const std::string& sql) override { return std::make_unique<PgCursor>(*this, sql); }
   void exec(const std::string& sql) override {
     ensure_connected();
-    PgResult r(PQexec(conn_, sql.c_str()));
+    PgResult r(reply_to(PQsendQuery(conn_, sql.c_str())));
     check(r.get(), "sql failed");
   }
   void begin() override {
@@ -185,12 +193,12 @@ class PgConnection final : public Connection {
   }
   void rollback() noexcept override {
     in_transaction_ = false;
-    if (conn_ && PQstatus(conn_) == CONNECTION_OK) PQclear(PQexec(conn_, "ROLLBACK"));
+    if (!abandoned_ && PQstatus(conn_) == CONNECTION_OK) quietly("ROLLBACK");
   }
   void lock_schema() override { exec("SELECT pg_advisory_lock(" + std::to_string(kSchemaLock) + ")"); }
   void unlock_schema() noexcept override {
-    if (conn_ && PQstatus(conn_) == CONNECTION_OK) {
-      PQclear(PQexec(conn_, ("SELECT pg_advisory_unlock(" + std::to_string(kSchemaLock) + ")").c_str()));
+    if (!abandoned_ && PQstatus(conn_) == CONNECTION_OK) {
+      quietly("SELECT pg_advisory_unlock(" + std::to_string(kSchemaLock) + ")");
     }
   }
   int64_t schema_version() override {
@@ -205,16 +213,18 @@ class PgConnection final : public Connection {
   }
   std::string describe() const override { return describe_; }
 
-  // Reconnects a connection the server dropped, unless a transaction was running on it
-  // (its work is lost: the caller's call fails and the next one starts afresh).
+  // Reconnects a connection the server dropped, or one given up on while it waited for a
+  // reply, unless a transaction was running on it (its work is lost: the caller's call fails
+  // and the next one starts afresh).
   void ensure_connected() {
-    if (PQstatus(conn_) == CONNECTION_OK) return;
+    if (!abandoned_ && PQstatus(conn_) == CONNECTION_OK) return;
     if (in_transaction_) throw UnavailableError("lost the connection to the database " + describe_);
     PQreset(conn_);
     if (PQstatus(conn_) != CONNECTION_OK) {
       throw UnavailableError("cannot reach the database " + describe_ + ": " + trim(PQerrorMessage(conn_)));
     }
-    configure(busy_timeout_ms_);
+    abandoned_ = false;
+    configure();
   }
 
   PGresult* run(const std::string& sql, const std::vector<std::optional<std::string>>& params,
@@ -230,20 +240,73 @@ class PgConnection final : public Connection {
       }
       if (!named.count(i + 1)) types[static_cast<size_t>(i)] = kTextOid;
     }
-    PGresult* r = PQexecParams(conn_, sql.c_str(), count, types.data(), values.data(), nullptr, nullptr, 0);
+    PGresult* r =
+        reply_to(PQsendQueryParams(conn_, sql.c_str(), count, types.data(), values.data(), nullptr, nullptr, 0));
     check(r, "statement failed");
     return r;
   }
 
  private:
-  void configure(int busy_timeout_ms) {
+  // The server cancels a statement after this long, and the client gives up on a reply a little
+  // later (`reply_to`).
+  int statement_timeout_ms() const { return std::max(30000, 6 * busy_timeout_ms_); }
+
+  void configure() {
     PQsetNoticeProcessor(conn_, [](void*, const char*) {}, nullptr);
     // A lock held elsewhere waits as long as SQLite's busy timeout; a statement that hangs
     // (a stalled server) fails instead of hanging the caller.
-    PgResult r(PQexec(conn_, ("SET lock_timeout = " + std::to_string(busy_timeout_ms) +
-                              "; SET statement_timeout = " + std::to_string(std::max(30000, 6 * busy_timeout_ms)))
-                                 .c_str()));
+    PgResult r(reply_to(PQsendQuery(conn_, ("SET lock_timeout = " + std::to_string(busy_timeout_ms_) +
+                                            "; SET statement_timeout = " + std::to_string(statement_timeout_ms()))
+                                               .c_str())));
     check(r.get(), "cannot configure the session");
+  }
+
+  // The reply to the query just sent (`sent`: PQsendQuery's answer), as PQexec gives it (the
+  // last result, or the first that failed), waited for at most the statement timeout and two
+  // seconds more. A live server has answered by then, if only with the cancellation of its
+  // statement; a server process that stopped with its host up (a hung backend, a paused
+  // machine) has not, and neither TCP keepalives nor the TCP user timeout notice it, since the
+  // host's kernel still acknowledges every packet. The connection is then given up on (the next
+  // call reconnects) and the call fails as UnavailableError, a 503, instead of hanging with
+  // the store's lock held.
+  PGresult* reply_to(int sent) {
+    if (!sent) return nullptr;  // `check` reports PQerrorMessage
+    using Clock = std::chrono::steady_clock;
+    const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(statement_timeout_ms() + 2000);
+    PGresult* reply = nullptr;
+    for (;;) {
+      while (PQisBusy(conn_)) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+        pollfd socket{PQsocket(conn_), POLLIN, 0};
+        const int ready = left > 0 ? poll(&socket, 1, static_cast<int>(left)) : 0;
+        if (ready < 0 && errno == EINTR) continue;
+        if (ready == 0) {
+          PQclear(reply);
+          abandoned_ = true;
+          throw UnavailableError("database " + describe_ + " unavailable: no reply in " +
+                                 std::to_string((statement_timeout_ms() + 2000) / 1000) +
+                                 " s (its server process may be stalled)");
+        }
+        if (ready < 0 || !PQconsumeInput(conn_)) break;  // PQgetResult reports the lost connection
+      }
+      PGresult* next = PQgetResult(conn_);
+      if (!next) return reply;
+      const ExecStatusType status = PQresultStatus(reply);
+      if (reply && status != PGRES_COMMAND_OK && status != PGRES_TUPLES_OK) {
+        PQclear(next);  // the first failure is the reply
+      } else {
+        PQclear(reply);
+        reply = next;
+      }
+    }
+  }
+
+  // Runs a statement whose failure only matters to the server (a rollback, an unlock).
+  void quietly(const std::string& sql) noexcept {
+    try {
+      PQclear(reply_to(PQsendQuery(conn_, sql.c_str())));
+    } catch (...) {
+    }
   }
 
   // Throws the StoreError subclass for a failed result; the result is freed on throw.
@@ -272,6 +335,7 @@ class PgConnection final : public Connection {
   PGconn* conn_ = nullptr;
   int busy_timeout_ms_ = 5000;
   bool in_transaction_ = false;
+  bool abandoned_ = false;  // a reply was given up on: the connection is reset before its next use
 };
 
 bool PgCursor::step() {
