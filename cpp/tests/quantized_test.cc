@@ -6,7 +6,6 @@
 
 using namespace cartridges;
 
-
 class QuantizedTest : public ::testing::TestWithParam<BlockFormat> {};
 
 TEST_P(QuantizedTest, MatchesLinearOnDequantizedWeights) {
