@@ -789,10 +789,6 @@ class Store:
         ...
     def begin_blob(self) -> BlobWriter:
         ...
-    def blob_recorded(self, blob_id: str) -> bool:
-        """
-        Whether a blob of this id is recorded; a blob mirror's object that is not is an orphan once old.
-        """
     def cancel_datablock(self, owner: Owner, datablock_id: str) -> DatablockRecord:
         ...
     def close(self) -> None:
@@ -840,6 +836,10 @@ class Store:
     def ping(self) -> None:
         """
         Checks that the database and the blob mirror answer; UnavailableError when they do not.
+        """
+    def recorded_blobs(self) -> list[str]:
+        """
+        The ids of every recorded blob; a blob mirror's object that is not among them is an orphan once old.
         """
     def revoke_key(self, key_id: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...

@@ -195,8 +195,8 @@ void bind_store_users_and_blobs(StoreClass& store) {
       .def("ping", &Store::ping, py::call_guard<py::gil_scoped_release>(),
            "Checks that the database and the blob mirror answer; UnavailableError when they do not.")
       .def_property_readonly("swept_at_open", &Store::swept_at_open)
-      .def("blob_recorded", &Store::blob_recorded, py::arg("blob_id"), py::call_guard<py::gil_scoped_release>(),
-           "Whether a blob of this id is recorded; a blob mirror's object that is not is an orphan once old.")
+      .def("recorded_blobs", &Store::recorded_blobs, py::call_guard<py::gil_scoped_release>(),
+           "The ids of every recorded blob; a blob mirror's object that is not among them is an orphan once old.")
       .def("create_user", &Store::create_user, py::arg("name"), py::call_guard<py::gil_scoped_release>())
       .def("find_user", &Store::find_user, py::arg("name"), py::call_guard<py::gil_scoped_release>())
       .def("list_users", &Store::list_users, py::call_guard<py::gil_scoped_release>())

@@ -244,8 +244,11 @@ def sweep_orphans(mirror: Any, store: Any, min_age_s: float = ORPHAN_AGE_S) -> i
     stale_uploads = getattr(mirror, "remove_stale_uploads", None)
     if stale_uploads is not None:
         removed += stale_uploads(min_age_s)
+    # Read before the listing: a blob is recorded within moments of its upload, so an object old
+    # enough to be swept was recorded before this read if it is recorded at all.
+    recorded = set(store.recorded_blobs())
     for name, modified in mirror.listing(""):
-        if "/" in name or now - modified < min_age_s or store.blob_recorded(name):
+        if "/" in name or now - modified < min_age_s or name in recorded:
             continue
         mirror.remove(name)
         removed += 1

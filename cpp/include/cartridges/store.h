@@ -259,9 +259,10 @@ class Store {
   void ping();
   // How many leftovers (temporaries, unrecorded blobs) the sweep at open removed.
   int64_t swept_at_open() const { return swept_; }
-  // Whether a blob of this id is recorded (a file's content or text, a cartridge): a blob
-  // mirror's object that is not, and is older than any upload in flight, is an orphan.
-  bool blob_recorded(const std::string& blob_id);
+  // The ids of every recorded blob (a file's content or text, a cartridge), in one query: a blob
+  // mirror's object that is not among them, and is older than any upload in flight, is an
+  // orphan.
+  std::vector<std::string> recorded_blobs();
 
   // ---- users and API keys (keys are stored as hashes only) ----
   User create_user(const std::string& name);  // ConflictError if the name is taken

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
+#include <unordered_set>
 
 #include "cartridges/store.h"
 #include "store/blob_io.h"
@@ -106,11 +107,14 @@ int64_t Store::sweep_job_dirs() {
   for (const auto& entry : std::filesystem::directory_iterator(options_.data_dir + "/jobs")) {
     names.push_back(entry.path().filename().string());
   }
+  std::unordered_set<std::string> live;
+  {
+    Stmt s(*db_, "SELECT run_id FROM datablocks WHERE status IN ('queued', 'running')");
+    while (s.step()) live.insert(s.text(0));
+  }
   int64_t removed = 0;
   for (const auto& name : names) {
-    Stmt s(*db_, "SELECT 1 FROM datablocks WHERE run_id = ?1 AND status IN ('queued', 'running')");
-    s.bind(1, name);
-    if (s.step()) continue;
+    if (live.count(name)) continue;
     std::error_code error;
     if (std::filesystem::remove_all(job_dir_path(name), error) > 0 && !error) ++removed;
   }

@@ -32,6 +32,13 @@ constexpr int64_t kMaxListLimit = 10000;
 using store_common::BlobGuard;
 using store_common::now;
 
+std::vector<std::string> blob_ids(sql::Connection& db) {
+  std::vector<std::string> ids;
+  Stmt s(db, "SELECT id FROM blobs");
+  while (s.step()) ids.push_back(s.text(0));
+  return ids;
+}
+
 }  // namespace
 
 namespace store_common {
@@ -168,11 +175,8 @@ int64_t Store::sweep() {
   each_entry(blobs + "/tmp", [&](const std::string& name) {
     if (::unlink((blobs + "/tmp/" + name).c_str()) == 0) ++removed;
   });
-  std::unordered_set<std::string> recorded;
-  {
-    Stmt s(*db_, "SELECT id FROM blobs");
-    while (s.step()) recorded.insert(s.text(0));
-  }
+  const std::vector<std::string> ids = blob_ids(*db_);
+  const std::unordered_set<std::string> recorded(ids.begin(), ids.end());
   each_entry(blobs, [&](const std::string& name) {
     if (name == "tmp" || recorded.count(name)) return;
     struct stat st {};
@@ -207,11 +211,9 @@ std::optional<User> Store::find_user(const std::string& name) {
   return User{s.int64(0), s.text(1), s.int64(2)};
 }
 
-bool Store::blob_recorded(const std::string& blob_id) {
+std::vector<std::string> Store::recorded_blobs() {
   std::lock_guard<std::mutex> lock(mutex_);
-  Stmt s(db(), "SELECT 1 FROM blobs WHERE id = ?1");
-  s.bind(1, blob_id);
-  return s.step();
+  return blob_ids(db());
 }
 
 std::vector<User> Store::list_users() {
