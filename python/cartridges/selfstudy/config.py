@@ -183,10 +183,11 @@ class TrainConfig(BaseModel):
     default): 0.5 (even odds), or 0 for a corpus over LONG_CORPUS_TOKENS tokens
     (`default_cloze_fraction`), where recall in place of cloze doubled how often the corpus'
     text is recited and lifted the tuning atlas from 0.55 to 0.58 of the oracle's gain and the
-    held-out rulebook from 0.55 to 0.62, its weakest section from 0.21 to 0.41, at the cost of
-    the numeric questions (computed from stated numbers, which cloze rows blank out) and about
-    28% more training tokens (docs/experiments.md, "Do recall conversations in place of cloze
-    ones lift the long-corpus defaults?")."""
+    held-out rulebook from 0.55 to 0.62, its weakest section from 0.21 to 0.41, and the unseen
+    almanac from 0.46 to 0.69, at the cost of the numeric questions on the atlas and the
+    rulebook (computed from stated numbers, which cloze rows blank out) and about 28% more
+    training tokens (docs/experiments.md, "Do recall conversations in place of cloze ones lift
+    the long-corpus defaults?" and the entry after it)."""
     joined_fraction: float = Field(0.0, ge=0.0, le=1.0)
     """Share of the conversations that join two parts of the corpus far apart (their centres
     at least a quarter of it apart, the chunks never overlapping): the message quotes the start of a sentence from each
