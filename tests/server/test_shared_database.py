@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -181,38 +182,68 @@ def test_a_stalled_database_process_fails_the_call_and_the_next_reconnects(
     """A server process that stops answering while its host stays up (a hung disk or a paused
     machine; SIGSTOP here) still has every packet acknowledged by the host's kernel, so TCP
     keepalives never fire and its statement timeout never runs. The store gives up on the reply
-    after the statement timeout (30 s) and two seconds: the call fails as unavailable (a 503),
-    and the next call reconnects to a fresh server process while the stalled one stays stopped."""
+    after the statement timeout (30 s) and two seconds: the call fails as unavailable (a 503).
+    The next call reconnects to a fresh server process while the stalled one stays stopped; and
+    a stalled process that resumes before any next call finds its connection closed and ends,
+    rather than idling until then. Two stores, one of each, stall together."""
     import signal
 
     import psycopg
 
     from cartridges.store import core, open_store
 
-    store = open_store(tmp_path / "data", sync=False, database_url=postgres_url)
-    try:
-        store.create_user("alice")
+    def backends() -> set[int]:
         with psycopg.connect(postgres_admin_url, autocommit=True) as admin:
-            pids = [row[0] for row in admin.execute(
+            return {row[0] for row in admin.execute(
                 "SELECT pid FROM pg_stat_activity WHERE application_name = 'cartridges' AND datname = %s",
-                (postgres_url.rsplit("/", 1)[1],))]
-        assert pids
+                (postgres_url.rsplit("/", 1)[1],))}
+
+    reconnecting = open_store(tmp_path / "a", sync=False, database_url=postgres_url)
+    resumed = None
+    try:
+        reconnecting.create_user("alice")
+        first = backends()
+        resumed = open_store(tmp_path / "b", sync=False, database_url=postgres_url)
+        resumed.list_users()
+        second = backends() - first
+        assert first and second
         try:
-            os.kill(pids[0], 0)
+            os.kill(next(iter(first)), 0)
         except ProcessLookupError:
             pytest.skip("the test database runs on another machine: its processes cannot be stopped from here")
-        for pid in pids:
+        stalled = first | second
+        for pid in stalled:
             os.kill(pid, signal.SIGSTOP)
+        calls = ThreadPoolExecutor(2)  # a call that hangs fails its result(timeout) below, not the suite
         try:
             started = time.monotonic()
-            with pytest.raises(core().UnavailableError, match="no reply in 32 s"):
-                store.list_users()
+            waits = [calls.submit(store.list_users) for store in (reconnecting, resumed)]
+            for wait in waits:
+                with pytest.raises(core().UnavailableError, match="no reply in 32 s"):
+                    wait.result(timeout=60)
             assert 30 <= time.monotonic() - started < 45
-            assert [u.name for u in store.list_users()] == ["alice"]  # a fresh connection
-            store.create_user("bob")
+            assert [u.name for u in reconnecting.list_users()] == ["alice"]  # a fresh connection
+            reconnecting.create_user("bob")
         finally:
-            for pid in pids:
+            calls.shutdown(wait=False)
+            for pid in stalled:
                 os.kill(pid, signal.SIGCONT)
-        assert sorted(u.name for u in store.list_users()) == ["alice", "bob"]
+        deadline = time.monotonic() + 10
+        while any(process_runs(pid) for pid in stalled) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(process_runs(pid) for pid in stalled), "a stalled server process outlived its connection"
+        assert sorted(u.name for u in resumed.list_users()) == ["alice", "bob"]  # a fresh connection
     finally:
-        store.close()
+        reconnecting.close()
+        if resumed is not None:
+            resumed.close()
+
+
+def process_runs(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (a PostgreSQL backend is reaped by its
+    postmaster, but not at once)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):  # gone, or going while read
+        return False

@@ -1,6 +1,7 @@
 // The store's PostgreSQL connection (libpq): one database that several replicas share.
 #include <libpq-fe.h>
 #include <poll.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -266,9 +267,11 @@ class PgConnection final : public Connection {
   // seconds more. A live server has answered by then, if only with the cancellation of its
   // statement; a server process that stopped with its host up (a hung backend, a paused
   // machine) has not, and neither TCP keepalives nor the TCP user timeout notice it, since the
-  // host's kernel still acknowledges every packet. The connection is then given up on (the next
-  // call reconnects) and the call fails as UnavailableError, a 503, instead of hanging with
-  // the store's lock held.
+  // host's kernel still acknowledges every packet. The connection is then given up on and the
+  // call fails as UnavailableError, a 503, instead of hanging with the store's lock held. Its
+  // socket is shut down at once, so that the server process, if it resumes, reads the end of
+  // the connection and ends, rolling back what it held, rather than idling in its transaction
+  // until this store's next call reconnects.
   PGresult* reply_to(int sent) {
     if (!sent) return nullptr;  // `check` reports PQerrorMessage
     using Clock = std::chrono::steady_clock;
@@ -283,6 +286,7 @@ class PgConnection final : public Connection {
         if (ready == 0) {
           PQclear(reply);
           abandoned_ = true;
+          shutdown(PQsocket(conn_), SHUT_RDWR);
           throw UnavailableError("database " + describe_ + " unavailable: no reply in " +
                                  std::to_string((statement_timeout_ms() + 2000) / 1000) +
                                  " s (its server process may be stalled)");
