@@ -259,11 +259,15 @@ def print_tables(name: str, d: dict) -> None:
         rec = d["recovered"].get(c, {}).get("all", 0.0 if c == "none" else 1.0)
         print(f"| {c} | {r['loglik_per_token']:.3f} | {r['match']:.2f} | {rec:.2f} |")
     rec_conds = [c for c in conds if c in d["recovered"]]
-    print("\n| kind | n | " + " | ".join(f"{c} rec / match" for c in rec_conds) + " |")
-    print("|" + "---|" * (2 + len(rec_conds)))
+    # The oracle's gain over no context in nats a token: a kind where it is small (numeric
+    # questions) has ratios of small differences, which move a lot on little.
+    print("\n| kind | n | oracle gain, nats/token | " + " | ".join(f"{c} rec / match" for c in rec_conds) + " |")
+    print("|" + "---|" * (3 + len(rec_conds)))
     for k, n in d["kinds"].items():
         if n:
-            print(f"| {k} | {n} | " + " | ".join(
+            gain = (d["conditions"]["oracle"]["by_kind"][k]["loglik_per_token"]
+                    - d["conditions"]["none"]["by_kind"][k]["loglik_per_token"])
+            print(f"| {k} | {n} | {gain:.2f} | " + " | ".join(
                 f"{d['recovered'][c]['by_kind'][k]:.2f} / {d['conditions'][c]['by_kind'][k]['match']:.2f}"
                 for c in rec_conds) + " |")
     print("\n| section | " + " | ".join(f"{c} rec" for c in rec_conds) + " |")
