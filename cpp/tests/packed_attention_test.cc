@@ -12,16 +12,17 @@ namespace {
 
 constexpr int64_t kHeads = 4, kKvHeads = 2, kDim = 8, kCapacity = 64;
 
-PrefixPtr random_prefix(int64_t tokens, bool biased = false) {
+PrefixPtr random_prefix(int64_t tokens, bool biased = false, int64_t kv_heads = kKvHeads, int64_t dim = kDim) {
   auto p = std::make_shared<KVPrefix>();
-  p->keys.push_back(at::randn({kKvHeads, tokens, kDim}));
-  p->values.push_back(at::randn({kKvHeads, tokens, kDim}));
-  if (biased) p->biases.push_back(at::randn({kKvHeads, tokens}) * 2);
+  p->keys.push_back(at::randn({kv_heads, tokens, dim}));
+  p->values.push_back(at::randn({kv_heads, tokens, dim}));
+  if (biased) p->biases.push_back(at::randn({kv_heads, tokens}) * 2);
   return p;
 }
 
 // Token j of sequence s attends to its prefixes and to own slots [0, past + j].
 at::Tensor reference(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const PackedBatch& batch) {
+  const int64_t heads = q.size(1), kv_heads = keys.size(1), dim = q.size(2);
   auto out = at::empty_like(q);
   int64_t token = 0;
   for (const auto& s : batch.sequences) {
@@ -30,15 +31,15 @@ at::Tensor reference(const at::Tensor& q, const at::Tensor& keys, const at::Tens
       for (const auto& p : s.prefixes) {
         ks.push_back(p->keys[0].transpose(0, 1));  // [P, Hkv, D]
         vs.push_back(p->values[0].transpose(0, 1));
-        bs.push_back(p->biases.empty() ? at::zeros({kKvHeads, p->num_tokens()}) : p->biases[0]);
+        bs.push_back(p->biases.empty() ? at::zeros({kv_heads, p->num_tokens()}) : p->biases[0]);
       }
       ks.push_back(keys.narrow(0, s.kv_offset, s.past + j + 1));
       vs.push_back(values.narrow(0, s.kv_offset, s.past + j + 1));
-      bs.push_back(at::zeros({kKvHeads, s.past + j + 1}));
-      auto k = at::cat(ks).repeat_interleave(kHeads / kKvHeads, 1).transpose(0, 1);  // [H, T, D]
-      auto v = at::cat(vs).repeat_interleave(kHeads / kKvHeads, 1).transpose(0, 1);
-      auto bias = at::cat(bs, 1).repeat_interleave(kHeads / kKvHeads, 0).unsqueeze(1);  // [H, 1, T]
-      auto scores = at::matmul(q[token].unsqueeze(1), k.transpose(1, 2)) / std::sqrt(double(kDim)) + bias;
+      bs.push_back(at::zeros({kv_heads, s.past + j + 1}));
+      auto k = at::cat(ks).repeat_interleave(heads / kv_heads, 1).transpose(0, 1);  // [H, T, D]
+      auto v = at::cat(vs).repeat_interleave(heads / kv_heads, 1).transpose(0, 1);
+      auto bias = at::cat(bs, 1).repeat_interleave(heads / kv_heads, 0).unsqueeze(1);  // [H, 1, T]
+      auto scores = at::matmul(q[token].unsqueeze(1), k.transpose(1, 2)) / std::sqrt(double(dim)) + bias;
       out[token] = at::matmul(scores.softmax(-1), v).squeeze(1);
     }
   }
@@ -47,10 +48,11 @@ at::Tensor reference(const at::Tensor& q, const at::Tensor& keys, const at::Tens
 
 // Random queries for the batch's tokens through the kernel and the gathered paths, each against
 // the reference.
-void expect_paths_match_reference(const at::Tensor& keys, const at::Tensor& values, const PackedBatch& batch) {
+void expect_paths_match_reference(const at::Tensor& keys, const at::Tensor& values, const PackedBatch& batch,
+                                  int64_t heads = kHeads) {
   int64_t tokens = 0;
   for (const auto& s : batch.sequences) tokens += s.num_new;
-  auto q = at::randn({tokens, kHeads, kDim});
+  auto q = at::randn({tokens, heads, keys.size(2)});
   auto expected = reference(q, keys, values, batch);
   for (bool gathered : {false, true}) {
     auto layout = ops::packed_layout(batch, at::kCPU, gathered);
@@ -71,6 +73,20 @@ TEST(PackedAttention, KernelAndGatheredPathsMatchTheReference) {
   batch.sequences = {{0, 6, 1, {shared}, true},        {10, 11, 1, {}, true}, {30, 2, 1, {shared}, true},
                      {40, 3, 4, {other, shared}, true}, {50, 0, 1, {other}, true}};
   expect_paths_match_reference(keys, values, batch);
+}
+
+// Other shapes through the CPU kernel: more query heads per KV head than it takes at once (5),
+// and a head size past its 64 registered output dimensions and not a multiple of 16 (136), with
+// prefixes and own keys whose counts are not multiples of 8.
+TEST(PackedAttention, WideHeadsAndManyQueryHeadsMatchTheReference) {
+  at::manual_seed(7);
+  constexpr int64_t kv_heads = 2, heads = 10, dim = 136;
+  auto keys = at::randn({kCapacity, kv_heads, dim}), values = at::randn({kCapacity, kv_heads, dim});
+  auto cartridge = random_prefix(37, /*biased=*/true, kv_heads, dim), other = random_prefix(5, false, kv_heads, dim);
+  PackedBatch batch;
+  batch.sequences = {{0, 12, 1, {cartridge}, true}, {20, 0, 1, {}, true}, {30, 3, 1, {other, cartridge}, true},
+                     {40, 10, 1, {cartridge}, true}};
+  expect_paths_match_reference(keys, values, batch, heads);
 }
 
 // A prefix's attention biases add to its keys' logits on every path; a prefix without biases

@@ -171,6 +171,105 @@ bool has_avx2() {
   return yes;
 }
 
+// A run of keys (and values) of one KV head: `length` vectors of `dim` floats, `stride` apart,
+// and the keys' attention biases (none for a sequence's own keys).
+struct KeySegment {
+  const float *k, *v;
+  int64_t stride, length;
+  const float* bias;
+};
+
+CARTRIDGES_AVX2 float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) of 8 floats x <= 0 (scores less their maximum): Cephes' expf (a degree-5 polynomial
+// after taking out the power of two; relative error about 1e-7), 0 below -87.3.
+CARTRIDGES_AVX2 __m256 exp_nonpositive(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.3f);
+  const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lowest);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i two_to_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(two_to_n)));
+}
+
+// The `groups` query heads of one KV head (q [groups, dim], scaled; dim a multiple of 8) over
+// its key segments, each key and value read once for all the heads: fills o [groups, dim]
+// (unnormalized), m and l [groups]. `scores` has room for groups * total floats.
+CARTRIDGES_AVX2 void attend_kv_head_avx2(const float* q, int64_t groups, int64_t dim,
+                                         const std::vector<KeySegment>& segments, int64_t total, float* scores,
+                                         float* o, float* m, float* l) {
+  constexpr int64_t kHeadsAtOnce = 4, kChunks = 8;  // accumulators: 4 heads, or 8 vectors of one head's output
+  int64_t t = 0;
+  for (const auto& seg : segments) {
+    for (int64_t j = 0; j < seg.length; ++j, ++t) {
+      const float* k = seg.k + j * seg.stride;
+      const float bias = seg.bias != nullptr ? seg.bias[j] : 0.f;
+      for (int64_t g0 = 0; g0 < groups; g0 += kHeadsAtOnce) {
+        const int64_t heads = std::min(kHeadsAtOnce, groups - g0);
+        __m256 acc[kHeadsAtOnce] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t c = 0; c < dim; c += 8) {
+          const __m256 kc = _mm256_loadu_ps(k + c);
+          for (int64_t h = 0; h < heads; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g0 + h) * dim + c), kc, acc[h]);
+        }
+        for (int64_t h = 0; h < heads; ++h) scores[(g0 + h) * total + t] = horizontal_sum(acc[h]) + bias;
+      }
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    float* s = scores + g * total;
+    float best = kNegInf;
+    for (int64_t i = 0; i < total; ++i) best = std::max(best, s[i]);
+    const __m256 shift = _mm256_set1_ps(best);
+    __m256 sum = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= total; i += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), shift));
+      _mm256_storeu_ps(s + i, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    if (i < total) {  // the tail through the same polynomial: a row's figures never depend on its batch
+      alignas(32) float tail[8];
+      std::fill(tail, tail + 8, kNegInf);
+      std::copy(s + i, s + total, tail);
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_load_ps(tail), shift));
+      _mm256_store_ps(tail, e);
+      std::copy(tail, tail + (total - i), s + i);
+      sum = _mm256_add_ps(sum, e);
+    }
+    m[g] = best;
+    l[g] = horizontal_sum(sum);
+    for (int64_t c0 = 0; c0 < dim; c0 += 8 * kChunks) {
+      const int64_t chunks = std::min(kChunks, (dim - c0) / 8);
+      __m256 acc[kChunks];
+      for (int64_t c = 0; c < kChunks; ++c) acc[c] = _mm256_setzero_ps();
+      int64_t u = 0;
+      for (const auto& seg : segments) {
+        for (int64_t j = 0; j < seg.length; ++j, ++u) {
+          const float* v = seg.v + j * seg.stride + c0;
+          const __m256 p = _mm256_set1_ps(s[u]);
+          for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+        }
+      }
+      for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(o + g * dim + c0 + 8 * c, acc[c]);
+    }
+  }
+}
+
 }  // namespace
 
 // Longer than 60 lines: one OpenMP-parallel kernel, its split over heads and tokens and the online
@@ -184,13 +283,6 @@ void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at:
   TORCH_INTERNAL_ASSERT(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat);
   const int64_t heads = q.size(1), dim = q.size(2), kv = keys.size(1), groups = heads / kv;
   const int64_t rows = static_cast<int64_t>(tokens.size());
-  // A run of keys (and values) of one KV head: `length` vectors of `dim` floats, `stride` apart,
-  // and the keys' attention biases (none for a sequence's own keys).
-  struct Segment {
-    const float *k, *v;
-    int64_t stride, length;
-    const float* bias;
-  };
   // Prefix tensors [H_kv, P, D] as float32 with contiguous rows (a slice of a prefix is fine),
   // and their biases [H_kv, P] contiguous (undefined without).
   struct PrefixTensors {
@@ -214,13 +306,14 @@ void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at:
   float* op = out.o.data_ptr<float>();
   float* mp = out.m.data_ptr<float>();
   float* lp = out.l.data_ptr<float>();
+  const bool avx2 = has_avx2() && dim % 8 == 0;
   const auto dot = has_avx2() ? dot_avx2 : dot_scalar;
   const auto axpy = has_avx2() ? axpy_avx2 : axpy_scalar;
   // One (row, kv head) pair per work item: its keys and values are read once for the
   // `groups` query heads that share them.
   parallel_for(0, rows * kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<Segment> segments;
+    std::vector<KeySegment> segments;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t i = w / kv, h = w % kv, token = tokens[i];
       segments.clear();
@@ -233,6 +326,13 @@ void decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at:
       segments.push_back(
           {kp + (offsets[i] * kv + h) * dim, vp + (offsets[i] * kv + h) * dim, kv * dim, lengths[i], nullptr});
       total += lengths[i];
+      if (avx2) {
+        scores.resize(static_cast<size_t>(groups * total));
+        const int64_t head = h * groups;
+        attend_kv_head_avx2(qp + (token * heads + head) * dim, groups, dim, segments, total, scores.data(),
+                            op + (token * heads + head) * dim, mp + token * heads + head, lp + token * heads + head);
+        continue;
+      }
       scores.resize(static_cast<size_t>(total));
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t head = h * groups + g;

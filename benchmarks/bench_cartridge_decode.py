@@ -1,0 +1,55 @@
+"""Decode speed behind cartridges: greedy tokens a second of the default model in process, with
+no prefix, behind one cartridge that every row shares, and behind a cartridge of each row's
+own, at batch 1 and 16. A cartridge's keys and values are read at every decode step, so these
+rows measure the decode attention over them beside the matrix products.
+
+    python benchmarks/bench_cartridge_decode.py [--new-tokens 128] [--repeats 3]
+
+The cartridges are the KV of random tokens (serving cost only: 1,024 tokens shared, 512 each
+for the distinct ones); the prompt is one short chat turn. Best of `--repeats` runs per case.
+To compare two builds of the core, run it against each in alternating processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import cartridges
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    model = cartridges.load_model()
+    prompt = model.encode_chat([{"role": "user", "content": "Describe the water cycle, step by step."}])
+    torch.manual_seed(0)
+    vocab = model.native.config.vocab_size
+    shared = model.native.prefix_from_tokens(torch.randint(vocab, (1024,)))
+    own = [model.native.prefix_from_tokens(torch.randint(vocab, (512,))) for _ in range(16)]
+    cases = [
+        ("batch 1, no cartridge", 1, None),
+        ("batch 16, no cartridge", 16, None),
+        ("batch 1, a 1,024-token cartridge", 1, [shared]),
+        ("batch 16, one 1,024-token cartridge", 16, [shared]),
+        ("batch 16, 16 512-token cartridges", 16, [[p] for p in own]),
+    ]
+    print(f"default model, {torch.get_num_threads()} threads, {args.new_tokens} greedy tokens, "
+          f"best of {args.repeats}")
+    for name, batch, prefixes in cases:
+        kwargs = {} if prefixes is None else {"prefixes": prefixes}
+        model.generate([prompt] * batch, max_new_tokens=8, stop_token_ids=[], **kwargs)  # warm-up
+        best = 0.0
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            model.generate([prompt] * batch, max_new_tokens=args.new_tokens, stop_token_ids=[], **kwargs)
+            best = max(best, batch * args.new_tokens / (time.perf_counter() - start))
+        print(f"{name:<38} {best:7.1f} tok/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
