@@ -76,16 +76,18 @@ TEST(PackedAttention, KernelAndGatheredPathsMatchTheReference) {
 }
 
 // Other shapes through the CPU kernel: more query heads per KV head than it takes at once (5),
-// and a head size past its 64 registered output dimensions and not a multiple of 16 (136), with
-// prefixes and own keys whose counts are not multiples of 8.
+// a head size past its 64 registered output dimensions and not a multiple of 16 (136), prefixes
+// and own keys whose counts are not multiples of 8, and a row behind a long cartridge.
 TEST(PackedAttention, WideHeadsAndManyQueryHeadsMatchTheReference) {
   at::manual_seed(7);
   constexpr int64_t kv_heads = 2, heads = 10, dim = 136;
   auto keys = at::randn({kCapacity, kv_heads, dim}), values = at::randn({kCapacity, kv_heads, dim});
   auto cartridge = random_prefix(37, /*biased=*/true, kv_heads, dim), other = random_prefix(5, false, kv_heads, dim);
+  auto long_cartridge = random_prefix(500, /*biased=*/true, kv_heads, dim);
   PackedBatch batch;
-  batch.sequences = {{0, 12, 1, {cartridge}, true}, {20, 0, 1, {}, true}, {30, 3, 1, {other, cartridge}, true},
-                     {40, 10, 1, {cartridge}, true}};
+  batch.sequences = {{0, 12, 1, {cartridge}, true},           {20, 0, 1, {}, true},
+                     {30, 3, 1, {other, cartridge}, true},     {40, 10, 1, {cartridge}, true},
+                     {50, 13, 1, {other, long_cartridge}, true}};
   expect_paths_match_reference(keys, values, batch, heads);
 }
 
