@@ -25,6 +25,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    if args.new_tokens < 1 or args.repeats < 1:
+        parser.error("--new-tokens and --repeats must be at least 1")
     model = cartridges.load_model()
     prompt = model.encode_chat([{"role": "user", "content": "Describe the water cycle, step by step."}])
     torch.manual_seed(0)

@@ -1,4 +1,5 @@
 #include "model/packed_attention.h"
+#include "model/avx2.h"
 #include "model/spin_pool.h"
 
 #include <ATen/Parallel.h>
@@ -141,10 +142,7 @@ CARTRIDGES_AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  float r = _mm_cvtss_f32(s);
+  float r = horizontal_sum(acc);
   for (; i < n; ++i) r += a[i] * b[i];
   return r;
 }
@@ -178,13 +176,6 @@ struct KeySegment {
   int64_t stride, length;
   const float* bias;
 };
-
-CARTRIDGES_AVX2 float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // exp(x) of 8 floats x <= 0 (scores less their maximum): Cephes' expf (a degree-5 polynomial
 // after taking out the power of two; relative error about 1e-7), 0 below -87.3.

@@ -1,5 +1,6 @@
 // The block-quantized kernels of quantized.h with float32 activations, and the entry point that
 // picks them or the int8 ones (quantized_int8.cpp).
+#include "model/avx2.h"
 #include "model/quantized.h"
 #include "model/quantized_int8.h"
 #include "model/spin_pool.h"
@@ -96,13 +97,6 @@ CARTRIDGES_AVX2 inline float half_at_f16c(const uint8_t* p) {
   return _cvtsh_ss(bits);
 }
 
-CARTRIDGES_AVX2 inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // Dequantizes one block into four vectors of eight weights (elements 0-7, 8-15, 16-23, 24-31).
 template <BlockFormat F>
 CARTRIDGES_AVX2 inline void load_block(const uint8_t* block, __m256 w[4]) {
@@ -153,7 +147,7 @@ CARTRIDGES_AVX2 void avx2_rows(const uint8_t* w, int64_t row_bytes, int64_t bloc
         acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), wv[3], acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) y[r * out + n] = hsum(acc[r]);
+    for (int r = 0; r < R; ++r) y[r * out + n] = horizontal_sum(acc[r]);
   }
 }
 
