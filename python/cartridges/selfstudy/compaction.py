@@ -99,7 +99,7 @@ def compact_prefix(native: Any, tokens: list[int], num_tokens: int, *, window: i
                 chosen, solved, key_bias = _match_head(q, k_all[head], v_all[head], kept, keep_first=start == 0,
                                                        with_bias=bias)
                 # from the key's position in the pass to its slot in the cartridge
-                positions = torch.arange(slot, slot + kept) - (first + chosen)
+                positions = torch.arange(slot, slot + kept, device=chosen.device) - (first + chosen)
                 layer_keys.append(native.rotate(k_all[head][chosen].unsqueeze(0), positions)[0])
                 layer_values.append(solved)
                 layer_biases.append(key_bias)
@@ -124,12 +124,12 @@ def _match_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kept: int, ke
     if keep_first:
         importance[0] = float("inf")
     chosen = importance.topk(kept).indices.sort().values
-    bias = _mass_bias(scores, chosen) if with_bias else torch.zeros(kept)
+    bias = _mass_bias(scores, chosen) if with_bias else scores.new_zeros(kept)
     target = weights @ v  # [n, D] attention output over the whole window
     compact = (scores[:, chosen] + bias).softmax(-1)  # [n, kept] attention over the kept keys alone
     gram = compact.T @ compact
     ridge = RIDGE * gram.diagonal().mean().clamp_min(1e-12)
-    eye = torch.eye(kept, dtype=gram.dtype)
+    eye = torch.eye(kept, dtype=gram.dtype, device=gram.device)
     solved = torch.linalg.solve(gram + ridge * eye, compact.T @ target + ridge * v[chosen])
     return chosen, solved, bias
 
@@ -142,8 +142,8 @@ def _mass_bias(scores: torch.Tensor, chosen: torch.Tensor, steps: int = MASS_STE
     shifted = scores - scores.amax(-1, keepdim=True)
     full = shifted.exp().sum(-1, keepdim=True)  # [n, 1] the window's mass per query
     a = shifted[:, chosen].exp() / full  # [n, kept]: each kept key's share of its query's mass
-    gram, target = a.T @ a, a.T @ torch.ones(a.shape[0], 1)
-    weights = torch.full((a.shape[1], 1), float(a.shape[0] / a.sum().clamp_min(1e-30)))
+    gram, target = a.T @ a, a.T @ a.new_ones(a.shape[0], 1)
+    weights = a.new_full((a.shape[1], 1), float(a.shape[0] / a.sum().clamp_min(1e-30)))
     for _ in range(steps):
         weights = weights * target / (gram @ weights).clamp_min(1e-30)
     return weights.squeeze(1).clamp_min(MIN_WEIGHT).log()
