@@ -43,15 +43,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-import cartridges
 from cartridges.cartridge import Cartridge
 from cartridges.selfstudy import Corpus, TrainConfig
 from cartridges.training import init_params
 from evaluation import (Condition, Question, add_recovered, cached_result, check_question, document_prompt, evaluate,
                         for_text, get_cartridge, kv_bytes_per_token, parse_overrides, suite_arguments,
-                        truncated_document)
+                        suite_model, truncated_document)
 
 DOCS_DIR = Path(__file__).resolve().parent / "eval_docs"
 ALL_DOCS = ("handbook", "report", "narrative", "manual")
@@ -281,7 +278,8 @@ def run_suite(model, docs: dict[str, Document], config: TrainConfig, args) -> di
     """Every document of --docs under every condition (training its cartridge with `config`
     unless --baselines-only), the averages by split, and --compose's composition."""
     report: dict[str, Any] = {
-        "model": model.name, "threads": args.threads, "quick": args.quick, "baselines_only": args.baselines_only,
+        "model": model.name, "device": args.device, "threads": args.threads, "quick": args.quick,
+        "baselines_only": args.baselines_only,
         "config": None if args.baselines_only else config.to_dict(), "init_config": config.to_dict(),
         "tune": args.tune, "documents": {},
     }
@@ -360,8 +358,7 @@ def main() -> int:
     if args.quick and not args.max_questions:
         args.max_questions = QUICK_QUESTIONS
 
-    torch.set_num_threads(args.threads)  # before the engine starts: its compute thread follows it
-    model = cartridges.load_model()
+    model = suite_model(args)
     if args.check_docs:
         return check_docs(model, args.docs)
     config = TrainConfig(**{**(QUICK_CONFIG if args.quick else {}), **parse_overrides(args.overrides)})

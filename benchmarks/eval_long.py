@@ -33,16 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-import cartridges
 from cartridges.cartridge import Cartridge
 from cartridges.retrieval import CHUNK_TOKENS as RETRIEVAL_CHUNK_TOKENS, TOP_K as RETRIEVAL_TOP_K, Retriever, passages_prompt
 from cartridges.selfstudy import Corpus, TrainConfig
 from cartridges.training import init_params
 from evaluation import (Condition, Question, add_recovered, cached_result, check_question, document_prompt, evaluate,
                         evaluate_each, for_text, get_cartridge, kv_bytes_per_token, parse_overrides, recovered, suite_arguments,
-                        summary, truncated_document)
+                        suite_model, summary, truncated_document)
 
 DOCS_DIR = Path(__file__).resolve().parent / "eval_docs" / "long"
 ALL_DOCS = ("atlas", "chronicle", "rulebook", "almanac")
@@ -365,14 +362,13 @@ def main() -> int:
             print(f"plot: {plot(name, d, args.plot_dir)}", file=sys.stderr)
         print_summary(report)
         return 0
-    torch.set_num_threads(args.threads)  # before the engine starts: its compute thread follows it
-    model = cartridges.load_model()
+    model = suite_model(args)
     if args.check_docs:
         return check_docs(model, args.docs)
     config = TrainConfig(**parse_overrides(args.overrides))
     t0 = time.perf_counter()
-    report: dict[str, Any] = {"model": model.name, "threads": args.threads, "baselines_only": args.baselines_only,
-                              "tune": args.tune, "documents": {}}
+    report: dict[str, Any] = {"model": model.name, "device": args.device, "threads": args.threads,
+                              "baselines_only": args.baselines_only, "tune": args.tune, "documents": {}}
     for name in args.docs:
         split = "tune" if name in args.tune else "held_out"
         report["documents"][name] = d = evaluate_document(model, load_document(name), config, args, split)

@@ -314,6 +314,23 @@ def for_text(model, text: str, config: TrainConfig) -> TrainConfig:
     return decided_config(config, len(Corpus.from_texts(model.tokenizer, [text])), native_model(model))
 
 
+class StageLog:
+    """A training run's progress as lines on stderr, for runs whose output goes to a file: each
+    stage's start and every tenth of it, with the seconds since the run began."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.t0, self.last = name, time.perf_counter(), ("", -1)
+
+    def __call__(self, stage: str, done: int, total: int, loss: float | None = None) -> None:
+        tenth = done * 10 // max(total, 1)
+        if (stage, tenth) == self.last:
+            return
+        self.last = (stage, tenth)
+        loss_text = "" if loss is None else f", loss {loss:.4f}"
+        print(f"[{self.name}] {stage} {done}/{total} at {time.perf_counter() - self.t0:.0f} s{loss_text}",
+              file=sys.stderr, flush=True)
+
+
 def get_cartridge(model, name: str, text: str, config: TrainConfig, directory: Path) -> tuple[Cartridge, dict]:
     """The trained cartridge of document `name` under `config`, from `directory` when it was
     trained before; an interrupted training resumes from its checkpoint."""
@@ -338,8 +355,10 @@ def get_cartridge(model, name: str, text: str, config: TrainConfig, directory: P
         print(f"[{name}] training on the synthesized data of {data_path}", file=sys.stderr)
     else:
         print(f"[{name}] synthesis ({config.num_samples} conversations) and training", file=sys.stderr)
-    cart = cartridges.train(model, [text], config, progress=True, checkpoint=checkpoint, resume=True,
-                            data=data, held_out=held_out)
+    # A terminal shows progress bars; output that goes to a file gets a line per tenth of a stage.
+    log = None if sys.stderr.isatty() else StageLog(name)
+    cart = cartridges.train(model, [text], config, progress=True, on_progress=log, checkpoint=checkpoint,
+                            resume=True, data=data, held_out=held_out)
     if data is None:
         def fields_of(d):
             return {n: getattr(d, n) for n in ("tokens", "lengths", "target_mask", "topk_ids", "topk_logprobs")}
@@ -379,7 +398,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 def suite_arguments(description: str, docs_dir: Path, all_docs: tuple[str, ...],
                     tune: tuple[str, ...]) -> argparse.ArgumentParser:
     """The options both suites take: which documents (and which of them tune), training
-    overrides, where cartridges are cached, reply length, threads, output, the documents' check."""
+    overrides, where cartridges are cached, reply length, threads, device, output, the documents' check."""
     def names_list(value: str) -> list[str]:
         names = [n.strip() for n in value.split(",") if n.strip()]
         for n in names:
@@ -397,8 +416,20 @@ def suite_arguments(description: str, docs_dir: Path, all_docs: tuple[str, ...],
                         help="where trained cartridges are kept and reused (default: %(default)s)")
     parser.add_argument("--max-reply", type=int, default=48, help="greedy reply tokens for the contains-match")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads (default: all cores)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the model runs and trains: cpu (float32) or cuda (bfloat16) (default: %(default)s)")
     parser.add_argument("--out", metavar="PATH", help="write every figure (and every reply) as JSON here")
     parser.add_argument("--check-docs", action="store_true",
                         help="only check the documents (token counts, kinds, literal answers in the text) and exit")
     parser.names_list = names_list  # type: ignore[attr-defined]  # for the suite's own options
     return parser
+
+
+def suite_model(args: argparse.Namespace) -> Any:
+    """The model of a suite's run, on --device with --threads. Off the CPU, cached results and
+    cartridges go to a folder of their own under --cartridge-dir: the cache keys name the
+    weights, not where they ran."""
+    torch.set_num_threads(args.threads)  # before the engine starts: its compute thread follows it
+    if args.device != "cpu":
+        args.cartridge_dir = args.cartridge_dir / args.device.replace(":", "-")
+    return cartridges.load_model(device=args.device)
