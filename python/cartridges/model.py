@@ -199,6 +199,13 @@ class Model:
                 f"device={self.device!r}, dtype={self.dtype!r})")
 
 
+def resolve_device(device: str) -> str:
+    """`device` with "auto" decided: "cuda" when torch sees a GPU, else "cpu"."""
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def load_model(path: str | os.PathLike[str] | None = None, *, device: str = "cpu", dtype: str | None = None,
                int8_activations: bool = True) -> Model:
     """Load a Hugging Face directory or a GGUF file; with no path, the embedded default model

@@ -283,6 +283,28 @@ def test_train_and_chat_commands(model, tmp_path, monkeypatch, capsys):
     assert "truncated or damaged" in err or "checksum" in err
 
 
+def test_train_command_takes_the_device_the_model_trains_on(model, tmp_path, monkeypatch, capsys):
+    """--device: auto (the default) is cuda when torch sees a GPU; cuda without one is refused
+    before anything loads, with what to do instead."""
+    import cartridges.model
+    from cartridges.cli import main
+
+    devices = []
+    monkeypatch.setattr(cartridges.model, "load_model",
+                        lambda path=None, device="cpu", **kw: devices.append(device) or model)
+    (tmp_path / "doc.txt").write_text("The harbor of Tessel opens at dawn. " * 6)
+    base = ["train", str(tmp_path / "doc.txt"), "--out", str(tmp_path / "c.safetensors"), "--num-tokens", "16",
+            "--num-samples", "2", "--objective", "next_token", "--no-progress"]
+    assert main(base + ["--device", "cpu"]) == 0 and main(base) == 0
+    assert devices == ["cpu", "cuda" if torch.cuda.is_available() else "cpu"]
+    assert "loading model (cpu)" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(base + ["--device", "cuda"]) == 1
+    assert "sees no CUDA device" in capsys.readouterr().err and len(devices) == 2
+    with pytest.raises(SystemExit):
+        main(base + ["--device", "tpu"])
+
+
 def test_train_command_refuses_what_would_fail_late_or_destroy_a_file(model, tmp_path, monkeypatch, capsys):
     """Checked before the model loads: a training of hours must not end in a traceback at
     save time, nor overwrite the user's documents."""

@@ -12,14 +12,29 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
                         "(default: the embedded SmolLM2-135M-Instruct)")
 
 
-def load_model_or_report(path: str | None) -> Any | None:
-    """The model at `path` (None: the default), or None after printing why it cannot be loaded."""
-    from ..model import load_model
+def add_device_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help=f"where the model {what} (default auto: cuda when a GPU is available; the model "
+                        "runs in bfloat16 there)")
+
+
+def load_model_or_report(path: str | None, device: str = "cpu") -> Any | None:
+    """The model at `path` (None: the default) on `device` ("auto": cuda when available), or
+    None after printing why it cannot be loaded."""
+    from ..model import load_model, resolve_device
     from ..models import ModelLoadError
 
-    print("loading model...", file=sys.stderr, flush=True)
+    resolved = resolve_device(device)
+    if resolved.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"error: --device {device}: this torch sees no CUDA device (a CPU build, or no GPU); "
+                  "use --device cpu", file=sys.stderr)
+            return None
+    print(f"loading model ({resolved})...", file=sys.stderr, flush=True)
     try:
-        return load_model(path)
+        return load_model(path, device=resolved)
     except ModelLoadError as error:
         print(f"error: {error}", file=sys.stderr)
         return None

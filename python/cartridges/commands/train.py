@@ -9,7 +9,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from . import add_model_argument, load_model_or_report
+from . import add_device_argument, add_model_argument, load_model_or_report
 
 def _config_argument(parser: argparse.ArgumentParser, name: str, info: Any, summary: str) -> None:
     """The flag of TrainConfig field `name`: its type, choices and default from the field."""
@@ -52,6 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "joined in order, each under its file name as a heading")
     parser.add_argument("--out", required=True, metavar="CART", help="where to write the cartridge")
     add_model_argument(parser)
+    add_device_argument(parser, "trains on (synthesis, compaction and training)")
     parser.add_argument("--checkpoint", metavar="PATH", help="keep training state here (PATH and files beside it "
                         "named PATH.*); without --resume an earlier run's state there is replaced")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint (needs it)")
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, InputError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    model = load_model_or_report(args.model)
+    model = load_model_or_report(args.model, args.device)
     if model is None:
         return 1
     try:

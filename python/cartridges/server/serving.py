@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cartridges.cores import cpu_cores
+from cartridges.model import resolve_device
 from cartridges.models.default import base_model_id
 from cartridges.server.passages import Passages
 from cartridges.server.principal import Principal
@@ -41,14 +42,6 @@ class CartridgeUnavailable(Exception):
     def __init__(self, error: APIError) -> None:
         super().__init__(error.message)
         self.error = error
-
-
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class Serving:
