@@ -305,6 +305,30 @@ def test_train_command_takes_the_device_the_model_trains_on(model, tmp_path, mon
         main(base + ["--device", "tpu"])
 
 
+def test_chat_command_takes_a_device_for_a_local_model_only(model, monkeypatch, capsys):
+    import io
+
+    import cartridges.model
+    from cartridges.cli import main
+
+    class Chatty:  # the chat command's needs, on the tiny model
+        name = "tiny"
+        fingerprint = model.fingerprint
+        native = model.native
+
+        def stream_chat(self, messages, cartridges=(), composition="mixture", **kw):
+            yield "ok"
+
+    devices = []
+    monkeypatch.setattr(cartridges.model, "load_model",
+                        lambda path=None, device="cpu", **kw: devices.append(device) or Chatty())
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--device", "cpu"]) == 0 and devices == ["cpu"]
+    assert "ok" in capsys.readouterr().out
+    assert main(["chat", "--server", "http://127.0.0.1:9", "--device", "cpu"]) == 2
+    assert "--device is for a local model" in capsys.readouterr().err and devices == ["cpu"]
+
+
 def test_train_command_refuses_what_would_fail_late_or_destroy_a_file(model, tmp_path, monkeypatch, capsys):
     """Checked before the model loads: a training of hours must not end in a traceback at
     save time, nor overwrite the user's documents."""

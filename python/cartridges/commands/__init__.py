@@ -13,18 +13,19 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_device_argument(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+    """--device; None when not given (which load_model_or_report takes as "auto")."""
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"],
                         help=f"where the model {what} (default auto: cuda when a GPU is available; the model "
                         "runs in bfloat16 there)")
 
 
-def load_model_or_report(path: str | None, device: str = "cpu") -> Any | None:
-    """The model at `path` (None: the default) on `device` ("auto": cuda when available), or
-    None after printing why it cannot be loaded."""
+def load_model_or_report(path: str | None, device: str | None = "cpu") -> Any | None:
+    """The model at `path` (None: the default) on `device` ("auto" or None: cuda when
+    available), or None after printing why it cannot be loaded."""
     from ..model import load_model, resolve_device
     from ..models import ModelLoadError
 
-    resolved = resolve_device(device)
+    resolved = resolve_device(device or "auto")
     if resolved.startswith("cuda"):
         import torch
 

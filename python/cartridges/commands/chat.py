@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import load_model_or_report
+from . import add_device_argument, load_model_or_report
 
 READY_WAIT_S = 300.0  # how long --server waits for a server that is still loading its model
 
@@ -31,6 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", metavar="PATH|ID",
                         help="a Hugging Face model directory or a .gguf file (default: the embedded "
                         "SmolLM2-135M-Instruct); with --server, a model id: the base model's or a cartridge's")
+    add_device_argument(parser, "runs on, without --server")
     parser.add_argument("--cartridge", metavar="CART", action="append", default=[],
                         help="a trained cartridge file (.safetensors, or a research .pt) as context; with --server, "
                         "a cartridge id of that server (not a file); repeat to compose several (see --composition)")
@@ -69,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --retrieval takes 1 to {MAX_PASSAGES} passages, got {args.retrieval}", file=sys.stderr)
         return 2
     if args.server:
+        if args.device is not None:
+            print("error: --device is for a local model; the server runs its model where it was started",
+                  file=sys.stderr)
+            return 2
         return _run_server(args)
     for given, name in ((args.api_key, "--api-key"), (args.retrieval is not None, "--retrieval")):
         if given:
@@ -78,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if missing:  # before the model loads
         print(f"error: {missing[0]}: no such cartridge file (a datablock id needs --server)", file=sys.stderr)
         return 1
-    model = load_model_or_report(args.model)
+    model = load_model_or_report(args.model, args.device)
     if model is None:
         return 1
     from ..cartridge import CartridgeFileError, load_cartridge
