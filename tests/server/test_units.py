@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from cartridges.cli import main
 from cartridges.server.extraction import ExtractionError, extract_text
@@ -32,6 +33,28 @@ def test_settings_precedence() -> None:
     # ... and training workers get it from the supervisor in the same variable.
     assert int8_activations_from_env({}) and int8_activations_from_env({"CARTRIDGES_INT8_ACTIVATIONS": "1"})
     assert not int8_activations_from_env({"CARTRIDGES_INT8_ACTIVATIONS": "0"})
+
+
+def test_training_workers_load_the_model_where_the_settings_say(tmp_path: Path) -> None:
+    """training_device "auto" follows the server's device; the local backend's workers get the
+    decided device in their environment, Ray tasks none (they train on the GPUs Ray gives them)."""
+    from cartridges.jobs import Supervisor
+    from cartridges.jobs.worker import WORKER_DEVICE_ENV
+
+    gpu = "cuda" if torch.cuda.is_available() else "cpu"
+    assert Settings().training_device == "auto" and Settings().worker_device() == gpu
+    assert Settings(device="cpu").worker_device() == "cpu"
+    assert Settings(device="cpu", training_device="cuda").worker_device() == "cuda"
+    assert Settings(device="cuda", training_device="cpu").worker_device() == "cpu"
+    assert Settings.from_env({"CARTRIDGES_TRAINING_DEVICE": "cpu"}).training_device == "cpu"
+    with pytest.raises(ValueError, match="CARTRIDGES_TRAINING_DEVICE"):
+        Settings.from_env({"CARTRIDGES_TRAINING_DEVICE": "tpu"})
+    local = Supervisor(None, tmp_path, worker_device="cuda", worker_threads=3)
+    assert local.worker_settings()[WORKER_DEVICE_ENV] == "cuda"
+    assert local.worker_settings()["CARTRIDGES_WORKER_THREADS"] == "3"
+    assert Supervisor(None, tmp_path).worker_settings()[WORKER_DEVICE_ENV] == "cpu"
+    ray = Supervisor(None, tmp_path, backend="ray", worker_device="cuda")
+    assert WORKER_DEVICE_ENV not in ray.worker_settings()
 
 
 def test_store_urls_are_checked_with_the_settings_and_never_show_a_password() -> None:

@@ -29,6 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="base model: HF directory or GGUF file (CARTRIDGES_MODEL; default: embedded)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"],
                    help="where the model runs (CARTRIDGES_DEVICE; default auto: cuda when available)")
+    p.add_argument("--training-device", choices=["auto", "cpu", "cuda"],
+                   help="where the local training workers load the model (CARTRIDGES_TRAINING_DEVICE; default "
+                   "auto: where the server's model runs)")
     p.add_argument("--kv-tokens", type=int, metavar="N",
                    help="KV pool of the engine in tokens, shared by all running requests; a request holds "
                    "its prompt plus max_tokens (CARTRIDGES_KV_TOKENS; default 32768)")
@@ -65,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         settings = Settings.from_env(
             host=args.host, port=args.port, data_dir=args.data_dir, database_url=args.database_url,
             blob_url=args.blob_url, blob_cache_mib=args.blob_cache_mib, model=args.model, device=args.device,
+            training_device=args.training_device,
             kv_tokens=args.kv_tokens, cartridge_memory_mib=args.cartridge_memory_mib,
             serve_threads=args.serve_threads, worker_threads=args.worker_threads, worker_gpus=args.worker_gpus,
             max_jobs=args.max_jobs,

@@ -28,7 +28,7 @@ from typing import Any, Literal, Protocol
 from ..cores import cpu_cores
 
 from .progress import LEASE_S
-from .worker import EXIT_BUSY, claimant_id, job_is_locked
+from .worker import EXIT_BUSY, WORKER_DEVICE_ENV, claimant_id, job_is_locked
 
 log = logging.getLogger("cartridges.jobs")
 
@@ -73,13 +73,13 @@ class Supervisor:
                  worker_threads: int = 0, int8_activations: bool = True, poll_s: float = POLL_S,
                  store_env: Mapping[str, str] | None = None, backend: Literal["local", "ray"] = "local",
                  on_workers_changed: Callable[[int], None] | None = None, blob_mirror: Any = None,
-                 worker_gpus: float = 0.0, blob_cache_bytes: int | None = None) -> None:
+                 worker_gpus: float = 0.0, blob_cache_bytes: int | None = None, worker_device: str = "cpu") -> None:
         """`store_env`: the environment that makes a worker open the same store (store.store_env).
         `blob_mirror`: the store's blob store (cartridges.blobs), where jobs keep checkpoints too;
         the supervisor removes those of jobs that ended while no worker ran them, and the objects
         that no record names.
-        `worker_gpus`: the GPUs each Ray task asks for, on which it trains (the local backend's
-        workers train on CPUs).
+        `worker_gpus`: the GPUs each Ray task asks for, on which it trains.
+        `worker_device`: where the local backend's workers load the model, "cpu" or "cuda".
         `blob_cache_bytes`: with a blob mirror, the most the local copies in data_dir/blobs may
         take (cartridges.blobs.evict_cache, every CACHE_EVICT_S); None: no limit.
         `backend`: "local" runs each job in a worker process of this server, "ray" as a task on
@@ -98,6 +98,7 @@ class Supervisor:
         self.max_jobs = max(1, max_jobs)
         self.worker_threads = worker_threads or default_worker_threads()
         self.worker_gpus = worker_gpus
+        self.worker_device = worker_device
         self.int8_activations = int8_activations
         self._poll_s = poll_s
         self.on_workers_changed = on_workers_changed
@@ -247,13 +248,22 @@ class Supervisor:
         except (self._core.NotFoundError, self._core.ConflictError):
             return True  # deleted or ended meanwhile: nothing to start
 
+    def worker_settings(self) -> dict[str, str]:
+        """The environment a worker gets from this server (cartridges.jobs.worker's doc): its
+        threads, arithmetic and store, and for a local worker its device (a Ray task trains on
+        the GPUs Ray gives it)."""
+        settings = {"CARTRIDGES_WORKER_THREADS": str(self.worker_threads),
+                    "CARTRIDGES_INT8_ACTIVATIONS": "1" if self.int8_activations else "0", **self._store_env}
+        if self.backend == "local":
+            settings[WORKER_DEVICE_ENV] = self.worker_device
+        return settings
+
     def _start_worker(self, run_id: str) -> None:
         try:
             log_path = Path(self._store.job_dir(self._admin, run_id)) / "worker.log"
         except (self._core.NotFoundError, self._core.ConflictError):
             return  # deleted or ended meanwhile
-        settings = {"CARTRIDGES_WORKER_THREADS": str(self.worker_threads),
-                    "CARTRIDGES_INT8_ACTIVATIONS": "1" if self.int8_activations else "0", **self._store_env}
+        settings = self.worker_settings()
         if self.backend == "ray":
             from .ray_backend import RayTask
 

@@ -10,8 +10,9 @@ Environment (set by the supervisor, not part of the entry point's contract):
   CARTRIDGES_WORKER_THREADS   intra-op threads (torch.set_num_threads); unset: torch's default
   CARTRIDGES_INT8_ACTIVATIONS "0": float32 activations on quantized CPU weights, as the
                               server was told (load_model's int8_activations); unset: on
-  CARTRIDGES_WORKER_DEVICE    where the model trains: "cuda" in a Ray task given GPUs
-                              (ray_backend.py); unset: "cpu"
+  CARTRIDGES_WORKER_DEVICE    where the model trains: the server's training_device for a
+                              local worker, "cuda" in a Ray task given GPUs (ray_backend.py);
+                              unset: "cpu"
 """
 
 from __future__ import annotations

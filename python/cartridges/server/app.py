@@ -68,7 +68,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                 int8_activations=settings.int8_activations,
                                 store_env=store_env(settings.database_url, settings.blob_url),
                                 backend=settings.job_backend, blob_mirror=mirror,
-                                worker_gpus=settings.worker_gpus,
+                                worker_gpus=settings.worker_gpus, worker_device=settings.worker_device(),
                                 blob_cache_bytes=int(settings.blob_cache_mib * (1 << 20)))
         app.state.serving = Serving(settings, store, worker_threads=supervisor.worker_threads,
                                     max_jobs=supervisor.max_jobs)

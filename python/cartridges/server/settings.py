@@ -37,6 +37,7 @@ ENV_VARS = {
     "worker_threads": "CARTRIDGES_WORKER_THREADS",
     "worker_gpus": "CARTRIDGES_WORKER_GPUS",
     "device": "CARTRIDGES_DEVICE",
+    "training_device": "CARTRIDGES_TRAINING_DEVICE",
     "kv_tokens": "CARTRIDGES_KV_TOKENS",
     "cartridge_memory_mib": "CARTRIDGES_CARTRIDGE_MEMORY_MIB",
     "blob_cache_mib": "CARTRIDGES_BLOB_CACHE_MIB",
@@ -94,9 +95,12 @@ class Settings(BaseModel):
     worker_gpus: float = Field(0.0, ge=0.0)
     """GPUs each training job asks of the Ray cluster (job_backend "ray"; a fraction shares one);
     0: none, the job trains on CPUs. A task given a GPU trains on CUDA; the local backend's
-    workers train on CPUs."""
+    workers train on `training_device`."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model runs: auto (cuda when available), cpu or cuda."""
+    training_device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the local backend's training workers load the model: auto (where the server's
+    model runs, `device`), cpu or cuda."""
     kv_tokens: int = Field(32768, ge=1)
     """KV pool of the serving engine in tokens, shared by every running request's own tokens
     (prompt and reply; cartridges are apart). Allocated empty: untouched pages cost nothing."""
@@ -149,6 +153,13 @@ class Settings(BaseModel):
             return cls.model_validate(values)
         except ValidationError as error:
             raise ValueError(_described(error, {})) from None
+
+    def worker_device(self) -> str:
+        """Where local training workers load the model: `training_device` decided, "auto"
+        being where the server's model runs."""
+        from cartridges.model import resolve_device
+
+        return resolve_device(self.device if self.training_device == "auto" else self.training_device)
 
 
 def _described(error: ValidationError, names: Mapping[str, str]) -> str:
