@@ -4,6 +4,9 @@ copied into one slab, and still the same tokens and log-probabilities as the pac
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -96,5 +99,26 @@ def test_cuda_graphs_are_off_on_cpu(model):
         run(engine, [[1, 2, 3]], [[]], max_new_tokens=4)
         stats = engine.stats()
         assert stats.fixed_shape_steps == 0 and stats.cuda_graph_captures == 0
+    finally:
+        engine.close()
+
+
+def test_a_cartridge_no_one_holds_is_let_go_at_the_next_step(model):
+    """The fixed-shape path copies each cartridge a step reads into its slab and holds it there
+    (so that its address cannot come back as another cartridge's). Once its requests have ended
+    and no one else holds it, the next step lets it go: its memory does not wait for the slab
+    to be refilled. Seen through a weak reference to one of its key tensors."""
+    engine = Engine(model, kv_tokens=4096, fixed_shape_decode=True)
+    try:
+        kept, dropped = random_prefix(model, 20, 1), random_prefix(model, 24, 2)
+        kept_keys, dropped_keys = weakref.ref(kept.keys[0]), weakref.ref(dropped.keys[0])
+        first = run(engine, [[5, 6, 7], [8, 9]], [[kept], [dropped]])
+        del dropped
+        gc.collect()
+        assert dropped_keys() is not None  # still in the slab until a step runs
+        run(engine, [[5, 6, 8]], [[]])
+        gc.collect()
+        assert dropped_keys() is None and kept_keys() is not None
+        assert_same(run(engine, [[5, 6, 7]], [[kept]]), first[:1])  # what stays is read as before
     finally:
         engine.close()

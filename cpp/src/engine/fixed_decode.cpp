@@ -54,6 +54,15 @@ void FixedDecode::copy_into_slab(Placed& placed) {
 }
 
 std::vector<const FixedDecode::Placed*> FixedDecode::place_prefixes(const PackedBatch& batch) {
+  // A list with a prefix no one else holds any more (its cartridge evicted or deleted, its
+  // requests ended) can never be asked for again: let it go, so that its memory is freed now,
+  // not at the next refill. Its rows stay unused until then.
+  for (auto it = placed_.begin(); it != placed_.end();) {
+    const auto& list = it->second.prefixes;
+    const bool orphaned =
+        std::any_of(list.begin(), list.end(), [](const PrefixPtr& p) { return p.use_count() == 1; });
+    it = orphaned ? placed_.erase(it) : std::next(it);
+  }
   // The lists this step needs that the slab lacks, and the rows they take.
   int64_t missing = 0, needed = 0;
   std::set<ops::PrefixKey> seen;

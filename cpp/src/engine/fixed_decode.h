@@ -36,7 +36,7 @@ class FixedDecode {
 
  private:
   // A prefix list's place in the slab: its prefixes end to end (held, so the pointers stay
-  // theirs), from row `start`.
+  // theirs, until no one else holds one of them), from row `start`.
   struct Placed {
     PrefixList prefixes;
     int64_t start = 0, length = 0;
