@@ -1,10 +1,10 @@
-"""Training speed on CPU: one distillation step (forward and backward through the cartridge)
+"""Training speed (on the CPU, or --device cuda): one distillation step (forward and backward through the cartridge)
 with the core (`cartridges_core.distillation_loss_sum`, what `train_cartridge` runs) against the
 same step written in plain PyTorch on the same float32 weights (batched rows, ATen's
 scaled_dot_product_attention, autograd), in the same process.
 
     .venv/bin/python benchmarks/bench_train_step.py [--cartridge-tokens 1024] [--rows 4]
-        [--row-tokens 320] [--top-k 20] [--repeats 5] [--dtype float32|bfloat16]
+        [--row-tokens 320] [--top-k 20] [--repeats 5] [--dtype float32|bfloat16] [--device cpu|cuda]
 
 The data is random conversations of `row-tokens` tokens with the last half as targets and a
 random top-k teacher: the step's cost depends on the shapes, not on the text. Both steps
@@ -12,7 +12,7 @@ compute the same loss (checked to 1e-3 relative) and the gradients of the same c
 Tokens per second count the conversations' tokens of a step. Target (issue 32): ≥ 2x plain
 PyTorch. `--dtype bfloat16`: both steps compute in bfloat16 (the model's weights, the
 activations, the cartridge as read), with float32 master copies of the cartridge and float32
-log-softmax, as the core does for a bfloat16 model.
+log-softmax, as the core does for a bfloat16 model. `--device cuda`: both steps on the GPU.
 """
 
 from __future__ import annotations
@@ -34,14 +34,16 @@ RESULTS = Path(__file__).resolve().parent / "results" / "train_step.json"
 def plain_loss_sum(weights: dict[str, torch.Tensor], c, data, keys: list[torch.Tensor],
                    values: list[torch.Tensor]) -> torch.Tensor:
     """The distillation loss of every row of `data`, batched, in plain PyTorch."""
-    tokens = data.tokens  # every row is full length
+    device = keys[0].device
+    tokens = data.tokens.to(device)  # every row is full length
     B, S = tokens.shape
     P, H, Hkv, D = keys[0].shape[1], c.num_heads, c.num_kv_heads, c.head_dim
-    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
-    angles = torch.arange(P, P + S, dtype=torch.float32)[:, None] * inv_freq[None]
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32, device=device) / D))
+    angles = torch.arange(P, P + S, dtype=torch.float32, device=device)[:, None] * inv_freq[None]
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    visible = torch.arange(P + S)[None, :] <= (P + torch.arange(S))[:, None]  # causal, prefix all visible
-    mask = torch.zeros(S, P + S).masked_fill(~visible, float("-inf"))
+    positions = torch.arange(P + S, device=device)
+    visible = positions[None, :] <= (P + positions[:S])[:, None]  # causal, prefix all visible
+    mask = torch.zeros(S, P + S, device=device).masked_fill(~visible, float("-inf"))
 
     linear = torch.nn.functional.linear
 
@@ -70,10 +72,10 @@ def plain_loss_sum(weights: dict[str, torch.Tensor], c, data, keys: list[torch.T
         h = rms(x, weights[p + "post_attention_layernorm.weight"])
         gate, up = linear(h, weights[p + "mlp.gate_proj.weight"]), linear(h, weights[p + "mlp.up_proj.weight"])
         x = x + linear(torch.nn.functional.silu(gate) * up, weights[p + "mlp.down_proj.weight"])
-    hidden = rms(x, weights["model.norm.weight"])[data.target_mask]  # targets in row-major order
+    hidden = rms(x, weights["model.norm.weight"])[data.target_mask.to(device)]  # targets in row-major order
     head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
     logprobs = torch.log_softmax(linear(hidden, head).float(), -1)
-    return -(data.topk_logprobs.exp() * logprobs.gather(1, data.topk_ids)).sum()
+    return -(data.topk_logprobs.to(device).exp() * logprobs.gather(1, data.topk_ids.to(device))).sum()
 
 
 def random_data(vocab: int, rows: int, row_tokens: int, top_k: int) -> cartridges_core.TrainingData:
@@ -106,13 +108,14 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     args = parser.parse_args()
 
     from cartridges.models import load_weights
 
     loaded = load_weights()
-    model = cartridges.Model.from_loaded(loaded, dtype=args.dtype)
-    weights = {name: t.to(getattr(torch, args.dtype)) for name, t in loaded.tensors.items()}
+    model = cartridges.Model.from_loaded(loaded, device=args.device, dtype=args.dtype)
+    weights = {name: t.to(args.device, getattr(torch, args.dtype)) for name, t in loaded.tensors.items()}
     config = model.native.config
     data = random_data(config.vocab_size, args.rows, args.row_tokens, args.top_k)
     prefix = model.native.prefix_from_tokens(torch.randint(config.vocab_size, (args.cartridge_tokens,)))
@@ -142,14 +145,15 @@ def main() -> None:
     assert abs(core_loss - plain_loss) <= tolerance * abs(plain_loss), (core_loss, plain_loss)
     step_tokens = args.rows * args.row_tokens
     print(f"step: {args.rows} conversations x {args.row_tokens} tokens behind a {args.cartridge_tokens}-token "
-          f"cartridge, top-{args.top_k} teacher, {args.dtype}, {torch.get_num_threads()} threads")
+          f"cartridge, top-{args.top_k} teacher, {args.dtype} on {args.device}, {torch.get_num_threads()} threads")
     print(f"core         {core_s:6.2f} s/step  {step_tokens / core_s:7.1f} tok/s  loss {core_loss:.4f}")
     print(f"plain PyTorch {plain_s:5.2f} s/step  {step_tokens / plain_s:7.1f} tok/s  loss {plain_loss:.4f}")
     print(f"core / plain: {plain_s / core_s:.2f}x   target ≥ 2x")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    results[args.dtype] = {"args": vars(args), "core_s": core_s, "plain_s": plain_s, "ratio": plain_s / core_s,
-                           "threads": torch.get_num_threads()}
+    key = args.dtype if args.device == "cpu" else f"{args.device}-{args.dtype}"
+    results[key] = {"args": vars(args), "core_s": core_s, "plain_s": plain_s, "ratio": plain_s / core_s,
+                    "threads": torch.get_num_threads()}
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
 
