@@ -416,7 +416,7 @@ def suite_arguments(description: str, docs_dir: Path, all_docs: tuple[str, ...],
                         help="where trained cartridges are kept and reused (default: %(default)s)")
     parser.add_argument("--max-reply", type=int, default=48, help="greedy reply tokens for the contains-match")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads (default: all cores)")
-    parser.add_argument("--device", default="cpu",
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the model runs and trains: cpu (float32) or cuda (bfloat16) (default: %(default)s)")
     parser.add_argument("--out", metavar="PATH", help="write every figure (and every reply) as JSON here")
     parser.add_argument("--check-docs", action="store_true",
@@ -431,5 +431,5 @@ def suite_model(args: argparse.Namespace) -> Any:
     weights, not where they ran."""
     torch.set_num_threads(args.threads)  # before the engine starts: its compute thread follows it
     if args.device != "cpu":
-        args.cartridge_dir = args.cartridge_dir / args.device.replace(":", "-")
+        args.cartridge_dir = args.cartridge_dir / args.device
     return cartridges.load_model(device=args.device)

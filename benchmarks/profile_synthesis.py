@@ -60,7 +60,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--doc", default="atlas", help="an evaluation document, short or long (default: atlas)")
     parser.add_argument("--conversations", type=int, default=96, help="conversations to time (default: 96)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads")
     parser.add_argument("--top", type=int, default=15, help="operators to list (default: 15)")
     args = parser.parse_args()
