@@ -7,7 +7,7 @@ import datetime
 import torch
 import typing
 import typing_extensions
-__all__: list[str] = ['Adam', 'ApiKeyInfo', 'BlobContent', 'BlobMirror', 'BlobWriter', 'CacheFullError', 'CancelToken', 'CartridgeCache', 'CartridgeCacheStats', 'CartridgeParams', 'Composition', 'ConflictError', 'ContextLengthError', 'CorruptError', 'DatablockPage', 'DatablockRecord', 'Engine', 'EngineBusyError', 'EngineOptions', 'EngineStats', 'EngineStoppedError', 'Event', 'FilePage', 'FileRecord', 'KVCache', 'KVPrefix', 'LlamaConfig', 'LlamaModel', 'NotFoundError', 'Owner', 'Priority', 'Sampler', 'SamplingParams', 'Store', 'StoreError', 'TrainOptions', 'TrainProgress', 'TrainResult', 'TrainingData', 'UnavailableError', 'User', 'apply_logit_bias', 'channel_lr_scales', 'dequantize_weight', 'distillation_loss_sum', 'filter_top_k', 'filter_top_p', 'layer_lr_scales', 'length_groups', 'tokens_in_front', 'train_cartridge', 'training_order']
+__all__: list[str] = ['Adam', 'ApiKeyInfo', 'BlobContent', 'BlobMirror', 'BlobWriter', 'CacheFullError', 'CancelToken', 'CartridgeCache', 'CartridgeCacheStats', 'CartridgeParams', 'Composition', 'ConflictError', 'ContextLengthError', 'CorruptError', 'DatablockPage', 'DatablockRecord', 'Engine', 'EngineBusyError', 'EngineOptions', 'EngineStats', 'EngineStoppedError', 'Event', 'FilePage', 'FileRecord', 'KVCache', 'KVPrefix', 'LlamaConfig', 'LlamaModel', 'NotFoundError', 'Owner', 'Priority', 'Sampler', 'SamplingParams', 'Store', 'StoreError', 'TrainOptions', 'TrainProgress', 'TrainResult', 'TrainingData', 'UnavailableError', 'User', 'apply_logit_bias', 'channel_lr_scales', 'dequantize_weight', 'distillation_loss_sum', 'filter_top_k', 'filter_top_p', 'layer_lr_scales', 'length_group_overhead', 'length_groups', 'tokens_in_front', 'train_cartridge', 'training_order']
 class Adam:
     def __init__(self, params: collections.abc.Sequence[torch.Tensor], lr: typing.SupportsFloat | typing.SupportsIndex = 0.02, beta1: typing.SupportsFloat | typing.SupportsIndex = 0.9, beta2: typing.SupportsFloat | typing.SupportsIndex = 0.999, eps: typing.SupportsFloat | typing.SupportsIndex = 1e-08, anchor: typing.SupportsFloat | typing.SupportsIndex = 0.0, lr_scales: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] = [], channel_scales: collections.abc.Sequence[torch.Tensor] = []) -> None:
         ...
@@ -1050,6 +1050,10 @@ def filter_top_p(arg0: torch.Tensor, arg1: typing.SupportsFloat | typing.Support
 def layer_lr_scales(params: CartridgeParams) -> list[float]:
     """
     Per parameter of params.parameters(): its layer's RMS over the RMS of all keys (or values).
+    """
+def length_group_overhead(device: str) -> int:
+    """
+    What a forward costs beyond its rows on `device` ("cpu", "cuda", ...), in padded row tokens: the `overhead` of length_groups, larger on a GPU, where a small forward's cost is its kernel launches.
     """
 def length_groups(lengths: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], overhead: typing.SupportsInt | typing.SupportsIndex = 32) -> list[list[int]]:
     """

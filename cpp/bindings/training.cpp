@@ -186,6 +186,11 @@ void bind_training_loop(py::module_& m) {
       py::arg("lengths"), py::arg("overhead") = kLengthGroupOverhead,
       "Row indices split into groups of similar length for padded forwards: the cheapest split of the rows "
       "sorted by length when a group costs its rows times its longest row plus `overhead`.");
+  m.def(
+      "length_group_overhead", [](const std::string& device) { return length_group_overhead(c10::Device(device)); },
+      py::arg("device"),
+      "What a forward costs beyond its rows on `device` (\"cpu\", \"cuda\", ...), in padded row tokens: the "
+      "`overhead` of length_groups, larger on a GPU, where a small forward's cost is its kernel launches.");
 }
 
 }  // namespace

@@ -170,6 +170,13 @@ PrefixPtr random_prefix(int64_t layers, int64_t kv_heads, int64_t len, int64_t d
   return p;
 }
 
+// `p` with its keys and values requiring gradients.
+PrefixPtr trainable(PrefixPtr p) {
+  for (const auto& t : p->keys) t.requires_grad_();
+  for (const auto& t : p->values) t.requires_grad_();
+  return p;
+}
+
 }  // namespace
 
 TEST(AttentionTest, PrefixAndCausalMaskMatchReference) {
@@ -247,11 +254,8 @@ TEST(AttentionTest, SplitPathGradientsMatchReference) {
       auto q = at::randn({B, H, S, D}).requires_grad_();
       auto k = at::randn({B, Hkv, T, D}).requires_grad_();
       auto v = at::randn({B, Hkv, T, D}).requires_grad_();
-      auto biased = random_prefix(2, Hkv, 4, D, /*biased=*/true), plain = random_prefix(2, Hkv, 3, D);
-      for (const auto& p : {biased, plain}) {
-        for (const auto& t : p->keys) t.requires_grad_();
-        for (const auto& t : p->values) t.requires_grad_();
-      }
+      auto biased = trainable(random_prefix(2, Hkv, 4, D, /*biased=*/true));
+      auto plain = trainable(random_prefix(2, Hkv, 3, D));
       PrefixList segments{plain, biased};
       auto mask = ops::causal_mask(past, S, T, at::TensorOptions().dtype(at::kFloat));
       auto grads = [&](const at::Tensor& out, const at::Tensor& weight) {
@@ -273,6 +277,43 @@ TEST(AttentionTest, SplitPathGradientsMatchReference) {
     }
   }
   at::set_num_threads(threads);
+}
+
+// The GPU's path for rows with different prefix lists (padded to the longest, one batched
+// attention): output and gradients equal the reference's, with lists of different lengths, a
+// biased prefix beside plain ones, a row without prefix, lists shared by several rows.
+TEST(AttentionTest, PaddedPrefixListsMatchReference) {
+  at::manual_seed(6);
+  const int64_t B = 5, H = 6, Hkv = 2, S = 4, D = 8, T = 6;
+  std::vector<int64_t> past = {2, 0, 1, 2, 0};
+  auto q = at::randn({B, H, S, D}).requires_grad_();
+  auto k = at::randn({B, Hkv, T, D}).requires_grad_();
+  auto v = at::randn({B, Hkv, T, D}).requires_grad_();
+  auto biased = trainable(random_prefix(2, Hkv, 4, D, /*biased=*/true));
+  auto plain = trainable(random_prefix(2, Hkv, 3, D));
+  std::vector<PrefixList> rows = {{plain}, {plain, biased}, {}, {plain}, {biased}};
+  auto mask = ops::causal_mask(past, S, T, at::TensorOptions().dtype(at::kFloat));
+  auto out = ops::attention_padded_prefixes(q, k, v, mask, rows, /*layer=*/1);
+  std::vector<at::Tensor> expected_rows;
+  for (int64_t b = 0; b < B; ++b) {
+    expected_rows.push_back(reference_attention(q[b], k[b].narrow(1, 0, past[b] + S), v[b].narrow(1, 0, past[b] + S),
+                                                {past[b]}, rows[b], 1));
+  }
+  auto expected = at::stack(expected_rows);
+  EXPECT_TRUE(at::allclose(out, expected, 1e-5, 1e-5));
+  auto weight = at::randn({B, H, S, D});
+  auto grads = [&](const at::Tensor& o) {
+    std::vector<at::Tensor> inputs{q, k, v, plain->keys[1], plain->values[1], biased->keys[1], biased->values[1]};
+    return torch::autograd::grad({(o * weight).sum()}, inputs, {}, /*retain_graph=*/true, false,
+                                 /*allow_unused=*/true);
+  };
+  auto got = grads(out), want = grads(expected);
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(got[i].defined()) << "input " << i;
+    // The own keys past a row's past + S get no gradient in the reference (it never reads them).
+    auto reference = want[i].defined() ? want[i] : at::zeros_like(got[i]);
+    EXPECT_TRUE(at::allclose(got[i], reference, 1e-4, 1e-5)) << "input " << i;
+  }
 }
 
 TEST(AttentionTest, GradientReachesPrefix) {

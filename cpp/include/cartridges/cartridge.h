@@ -166,9 +166,16 @@ std::vector<int64_t> training_order(int64_t n, int64_t seed, int64_t epoch);
 // long ones (recall: 128 tokens): ~30% of the rows of random padded micro-batches were padding.
 // Splitting a micro-batch instead of sorting the data keeps every step a random draw: steps of
 // only short rows (a few targets, yet a full Adam step) trained worse cartridges.
-// What a forward call costs beyond its rows, in padded row tokens: training's micro-batches and
-// the teacher's scoring (through the binding's default) split with it.
+// What a forward call costs beyond its rows, in padded row tokens, on `device`: training's
+// micro-batches and the teacher's scoring split with it. On the CPU a forward costs about its
+// tokens; on a GPU a small forward's cost is its kernel launches (a training step's length
+// group, forward and backward, about 3,000 of them: 75 ms of host time against a few
+// microseconds of GPU time per padded token), so there rows stay in one group.
 constexpr int64_t kLengthGroupOverhead = 32;
+constexpr int64_t kLengthGroupOverheadGpu = 16384;
+inline int64_t length_group_overhead(const c10::Device& device) {
+  return device.is_cpu() ? kLengthGroupOverhead : kLengthGroupOverheadGpu;
+}
 std::vector<std::vector<int64_t>> length_groups(std::vector<int64_t> rows, const at::Tensor& lengths,
                                                 int64_t overhead);
 

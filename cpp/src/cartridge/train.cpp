@@ -253,7 +253,7 @@ TrainResult train_cartridge(const LlamaModel& model, CartridgeParams& params, co
       }
       std::vector<int64_t> rows(order.begin() + mb, order.begin() + std::min(mb + options.batch_size, end));
       // The micro-batch's gradient as the sum of its length groups' (the same sum, less padding).
-      for (const auto& group : length_groups(rows, data.lengths, kLengthGroupOverhead)) {
+      for (const auto& group : length_groups(rows, data.lengths, length_group_overhead(model.device()))) {
         ComputeLock turn;  // takes turns with the serving engine instead of oversubscribing cores
         auto losses =
             distillation_target_losses(model, params, data, group, options.companion, options.companion_every);

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -233,13 +234,75 @@ at::Tensor attention_shared(const at::Tensor& q, const at::Tensor& k, const at::
 
 }  // namespace
 
+at::Tensor attention_padded_prefixes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& mask, const std::vector<PrefixList>& prefixes, int64_t layer) {
+  const auto batch = q.size(0), heads = q.size(1), steps = q.size(2), dim = q.size(3);
+  const auto kv_heads = k.size(1), groups = heads / kv_heads, total = k.size(2);
+  TORCH_CHECK(static_cast<int64_t>(prefixes.size()) == batch, "attention: one prefix list per row");
+  // The distinct lists (rows usually share a few), and which one each row reads.
+  std::vector<const PrefixList*> lists;
+  std::vector<int64_t> which(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    auto found = std::find_if(lists.begin(), lists.end(), [&](const PrefixList* l) { return *l == prefixes[b]; });
+    which[b] = found - lists.begin();
+    if (found == lists.end()) lists.push_back(&prefixes[b]);
+  }
+  std::vector<int64_t> lengths;
+  bool biased = false;
+  for (const auto* list : lists) {
+    int64_t n = 0;
+    for (const auto& prefix : *list) {
+      n += prefix->num_tokens();
+      biased = biased || !prefix->biases.empty();
+    }
+    lengths.push_back(n);
+  }
+  const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+  biased = biased || *std::min_element(lengths.begin(), lengths.end()) < longest;  // padding to mask
+  const auto float_options = q.options().dtype(at::kFloat);
+  std::vector<at::Tensor> keys, values, biases;
+  for (size_t i = 0; i < lists.size(); ++i) {
+    std::vector<at::Tensor> ks{k.new_zeros({kv_heads, 0, dim})}, vs{v.new_zeros({kv_heads, 0, dim})};
+    std::vector<at::Tensor> bs{at::zeros({kv_heads, 0}, float_options)};
+    for (const auto& prefix : *lists[i]) {
+      ks.push_back(prefix->keys[layer]);
+      vs.push_back(prefix->values[layer]);
+      if (biased) {
+        bs.push_back(prefix->biases.empty() ? at::zeros({kv_heads, prefix->num_tokens()}, float_options)
+                                            : prefix->biases[layer].to(at::kFloat));
+      }
+    }
+    const int64_t pad = longest - lengths[i];
+    keys.push_back(at::constant_pad_nd(at::cat(ks, 1), {0, 0, 0, pad}));
+    values.push_back(at::constant_pad_nd(at::cat(vs, 1), {0, 0, 0, pad}));
+    if (biased) biases.push_back(at::constant_pad_nd(at::cat(bs, 1), {0, pad}, -std::numeric_limits<double>::infinity()));
+  }
+  auto index = at::tensor(which, at::kLong).to(q.device());
+  auto row_keys = at::stack(keys).index_select(0, index);      // [B, H_kv, P, D]
+  auto row_values = at::stack(values).index_select(0, index);  // [B, H_kv, P, D]
+
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  auto qg = (q * scale).reshape({batch, kv_heads, groups * steps, dim});
+  auto prefix_scores = at::matmul(qg, row_keys.transpose(-1, -2));  // [B, H_kv, G*S, P]
+  if (biased) prefix_scores = prefix_scores + at::stack(biases).index_select(0, index).unsqueeze(2).to(q.scalar_type());
+  auto own = at::matmul(qg, k.transpose(-1, -2)).view({batch, kv_heads, groups, steps, total});
+  own = (own + mask.unsqueeze(1)).view({batch, kv_heads, groups * steps, total});
+  auto probs = at::softmax(at::cat({prefix_scores, own}, -1).to(at::kFloat), -1).to(q.scalar_type());
+  auto out = at::matmul(probs.narrow(-1, 0, longest), row_values) + at::matmul(probs.narrow(-1, longest, total), v);
+  return out.reshape({batch, heads, steps, dim});
+}
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                      const std::vector<PrefixList>& prefixes, int64_t layer, bool shared, bool own_causal) {
   TORCH_INTERNAL_ASSERT(q.size(1) % k.size(1) == 0);
   TORCH_CHECK(!own_causal || q.size(2) == k.size(2), "attention: a causal step without past needs S == T");
   if (prefixes.empty()) return attention_shared(q, k, v, mask, {}, layer, own_causal);
   if (shared) return attention_shared(q, k, v, mask, prefixes[0], layer, own_causal);
-  // Rows with different prefixes: one row at a time, the same computation on a batch of one.
+  // Rows with different prefixes. On a GPU, one batched attention over the lists padded to the
+  // longest: a row at a time would cost more in kernel launches than the padding costs (the
+  // training step's rows behind a companion or not). On the CPU, one row at a time, the same
+  // computation on a batch of one, without the padding's arithmetic.
+  if (!q.device().is_cpu()) return attention_padded_prefixes(q, k, v, mask, prefixes, layer);
   std::vector<at::Tensor> rows;
   rows.reserve(q.size(0));
   for (int64_t b = 0; b < q.size(0); ++b) {

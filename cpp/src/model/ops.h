@@ -45,4 +45,10 @@ at::Tensor causal_mask(const std::vector<int64_t>& past, int64_t new_tokens, int
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                      const std::vector<PrefixList>& prefixes, int64_t layer, bool shared, bool own_causal = false);
 
+// attention() for rows whose prefix lists differ, as a GPU computes it: each distinct list's
+// keys and values joined and padded to the longest (the padding masked), then one batched
+// attention over every row. Any device; attention() calls it off the CPU.
+at::Tensor attention_padded_prefixes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& mask, const std::vector<PrefixList>& prefixes, int64_t layer);
+
 }  // namespace cartridges::ops
