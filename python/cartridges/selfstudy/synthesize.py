@@ -64,6 +64,10 @@ def _pad(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
     return tokens, lengths
 
 
+# Answer tokens scored through the vocabulary at once: a block's float32 log-softmax is 256 x
+# the vocabulary (50 MB for the default model's 49,152 words).
+SCORE_BLOCK_TOKENS = 256
+
 # Teacher windows' KV kept between batches (a 1,024-token window of the default model: ~50 MB).
 WINDOW_CACHE_BYTES = 256 << 20
 
@@ -158,16 +162,26 @@ class Synthesizer:
         shared, prefixes = self._shared(prompts, prefix)
         rows = [(p + a)[shared:] for p, a in zip(prompts, answers)]
         out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(rows)  # type: ignore[list-item]
+        overhead = cartridges_core.length_group_overhead(self.native.device)
         with torch.no_grad():
-            # Rows of similar length together: cloze rows have a few answer tokens, recall rows 128.
-            for group in cartridges_core.length_groups([len(r) for r in rows]):
+            # Rows of similar length together (on the CPU): cloze rows have a few answer tokens, recall rows 128.
+            for group in cartridges_core.length_groups([len(r) for r in rows], overhead):
                 tokens, lengths = _pad([rows[i] for i in group])
                 hidden = self.native.forward_hidden(tokens, num_new=lengths, prefixes=[prefixes] * len(group))
-                for row, i in enumerate(group):
-                    start = len(prompts[i]) - shared - 1  # the position that predicts the answer's first token
-                    logits = self.native.logits(hidden[row, start : start + len(answers[i])]).float()
-                    values, ids = torch.log_softmax(logits, -1).topk(self.config.top_k, -1)
-                    out[i] = (ids.cpu().contiguous(), values.cpu().contiguous())
+                # The answers' positions of every row, through the vocabulary a block at a time
+                # (a block's float32 log-softmax stays small; one call per block, not per row).
+                spans = [(len(prompts[i]) - shared - 1, len(answers[i])) for i in group]  # predicts the answer
+                picked = torch.cat([hidden[row, start : start + n] for row, (start, n) in enumerate(spans)])
+                ids, values = [], []
+                for block in picked.split(SCORE_BLOCK_TOKENS):
+                    v, k = torch.log_softmax(self.native.logits(block).float(), -1).topk(self.config.top_k, -1)
+                    ids.append(k)
+                    values.append(v)
+                ids_all, values_all = torch.cat(ids).cpu(), torch.cat(values).cpu()
+                offset = 0
+                for i, (_, n) in zip(group, spans):
+                    out[i] = (ids_all[offset : offset + n].contiguous(), values_all[offset : offset + n].contiguous())
+                    offset += n
         return out
 
     def batch(self, corpus: Corpus, view: BatchView, rng: random.Random, n: int) -> list[Conversation]:
