@@ -18,7 +18,7 @@ from .cartridge import Cartridge, native_model, model_fingerprint
 from .quality import copy_params, quality_report
 from .selfstudy import Corpus, TrainConfig, next_token_data, synthesize, training_data
 from .selfstudy.config import CORE_TRAINING_FIELDS, INITS_FROM_CORPUS
-from .selfstudy.checkpoint import load_conversations, save_conversations
+from .selfstudy.checkpoint import ConversationLog
 from .selfstudy.prompts import UNRELATED_TEXT
 from .selfstudy.chunking import part_of
 from .selfstudy.synthesize import fitting, signal_by_part
@@ -129,13 +129,12 @@ def prepare_datasets(
         raise ValueError("prepare_datasets needs a config decided for the corpus: config.for_corpus(len(corpus))")
     if config.objective == "distill":
         report = (lambda done, total: on_progress("synthesis", done, total)) if on_progress else None
-        done = []
-        if resume and synthesis_checkpoint is not None and synthesis_checkpoint.exists():
-            done = load_conversations(synthesis_checkpoint)
+        log = ConversationLog(synthesis_checkpoint, resume) if synthesis_checkpoint is not None else None
+        done = log.conversations if log is not None else []
 
         def after_batch(conversations: list[Any]) -> None:
-            if synthesis_checkpoint is not None:
-                save_conversations(synthesis_checkpoint, conversations)
+            if log is not None:
+                log.append(conversations[log.count :])  # the batch just made
             if cancel is not None and cancel.cancelled:
                 raise TrainingCancelled("cancelled during synthesis")
 
