@@ -194,7 +194,7 @@ def composition(model: Model, users: int, questions: int, cartridge_tokens: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--random-weights", action="store_true")
     parser.add_argument("--clients", default="1,4,16,32")
     parser.add_argument("--new-tokens", type=int, default=128)
