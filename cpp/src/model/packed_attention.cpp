@@ -6,6 +6,7 @@
 #include <ATen/record_function.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -198,6 +199,23 @@ CARTRIDGES_AVX2 __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(two_to_n)));
 }
 
+// The horizontal sums of eight vectors a[0..7], in that order, each added as horizontal_sum
+// adds a vector's lanes, ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)), so that every sum
+// is the same float: halves added per pair of vectors, then two rounds of hadd, whose adjacent
+// pairs the lanes are first put in order for, then the sums put back in the vectors' order.
+CARTRIDGES_AVX2 __m256 sums_of_eight(const __m256* a) {
+  __m256 halves[4];
+  for (int p = 0; p < 4; ++p) {
+    const __m256 lo = _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20);  // the low halves of both
+    const __m256 hi = _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31);  // the high halves
+    // Per vector [v0 + v4, v1 + v5, v2 + v6, v3 + v7], reordered [s0, s2, s1, s3] for hadd.
+    halves[p] = _mm256_permute_ps(_mm256_add_ps(lo, hi), _MM_SHUFFLE(3, 1, 2, 0));
+  }
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(halves[0], halves[1]), _mm256_hadd_ps(halves[2], halves[3]));
+  // pairs: [a0, a2, a4, a6 | a1, a3, a5, a7]
+  return _mm256_permutevar8x32_ps(pairs, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 // The `groups` query heads of one KV head (q [groups, dim], scaled; dim a multiple of 8) over
 // its key segments, each key and value read once for all the heads: fills o [groups, dim]
 // (unnormalized), m and l [groups]. `scores` has room for groups * total floats.
@@ -207,7 +225,24 @@ CARTRIDGES_AVX2 void attend_kv_head_avx2(const float* q, int64_t groups, int64_t
   constexpr int64_t kHeadsAtOnce = 4, kChunks = 8;  // accumulators: 4 heads, or 8 vectors of one head's output
   int64_t t = 0;
   for (const auto& seg : segments) {
-    for (int64_t j = 0; j < seg.length; ++j, ++t) {
+    int64_t j = 0;
+    // Eight keys at a time: a head's products with them accumulate in eight registers, eight
+    // chains where one key at a time left each multiply-add waiting on the one before, and
+    // their sums come out of one reduction; every score is the float one key at a time gives.
+    for (; j + 8 <= seg.length; j += 8, t += 8) {
+      const float* k = seg.k + j * seg.stride;
+      const __m256 bias = seg.bias != nullptr ? _mm256_loadu_ps(seg.bias + j) : _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        __m256 acc[8];
+        for (auto& a : acc) a = _mm256_setzero_ps();
+        for (int64_t c = 0; c < dim; c += 8) {
+          const __m256 qc = _mm256_loadu_ps(q + g * dim + c);
+          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + i * seg.stride + c), acc[i]);
+        }
+        _mm256_storeu_ps(scores + g * total + t, _mm256_add_ps(sums_of_eight(acc), bias));
+      }
+    }
+    for (; j < seg.length; ++j, ++t) {
       const float* k = seg.k + j * seg.stride;
       const float bias = seg.bias != nullptr ? seg.bias[j] : 0.f;
       for (int64_t g0 = 0; g0 < groups; g0 += kHeadsAtOnce) {
@@ -223,12 +258,16 @@ CARTRIDGES_AVX2 void attend_kv_head_avx2(const float* q, int64_t groups, int64_t
   }
   for (int64_t g = 0; g < groups; ++g) {
     float* s = scores + g * total;
-    float best = kNegInf;
-    for (int64_t i = 0; i < total; ++i) best = std::max(best, s[i]);
+    __m256 most = _mm256_set1_ps(kNegInf);  // the maximum, 8 lanes at a time (exact in any order)
+    int64_t i = 0;
+    for (; i + 8 <= total; i += 8) most = _mm256_max_ps(most, _mm256_loadu_ps(s + i));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, most);
+    float best = *std::max_element(lanes, lanes + 8);
+    for (; i < total; ++i) best = std::max(best, s[i]);
     const __m256 shift = _mm256_set1_ps(best);
     __m256 sum = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= total; i += 8) {
+    for (i = 0; i + 8 <= total; i += 8) {
       const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), shift));
       _mm256_storeu_ps(s + i, e);
       sum = _mm256_add_ps(sum, e);
