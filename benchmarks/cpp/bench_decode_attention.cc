@@ -23,6 +23,7 @@
 
 #include "model/packed_attention.h"
 #include "model/spin_pool.h"
+#include "output_hash.h"
 
 using namespace cartridges;
 
@@ -39,14 +40,6 @@ PrefixPtr random_prefix(int64_t tokens) {
     p->values.push_back(at::randn({kKvHeads, tokens, kDim}));
   }
   return p;
-}
-
-uint64_t hash(const at::Tensor& y) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the output's bytes
-  const auto c = y.contiguous();
-  const auto* bytes = reinterpret_cast<const uint8_t*>(c.data_ptr<float>());
-  for (int64_t i = 0; i < c.numel() * 4; ++i) h = (h ^ bytes[i]) * 1099511628211ull;
-  return h;
 }
 
 }  // namespace
@@ -91,7 +84,7 @@ int main(int argc, char** argv) {
         step = std::min(step, us / (5 * kLayers));
       }
       std::printf("batch %2lld, cartridge %-16s hot %8.1f us  step %8.1f us  hash %016llx\n",
-                  static_cast<long long>(rows), cartridge, hot, step, static_cast<unsigned long long>(hash(out)));
+                  static_cast<long long>(rows), cartridge, hot, step, static_cast<unsigned long long>(output_hash(out)));
     }
   }
   return 0;

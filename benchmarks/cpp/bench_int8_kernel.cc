@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "model/quantized_int8.h"
+#include "output_hash.h"
 #include "random_quantized.h"
 
 using namespace cartridges;
@@ -54,13 +55,6 @@ double best_ms(int trials, int repeats, const F& fn) {
   return best;
 }
 
-uint64_t hash(const at::Tensor& y) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the output's bytes
-  const auto* bytes = reinterpret_cast<const uint8_t*>(y.data_ptr<float>());
-  for (int64_t i = 0; i < y.numel() * 4; ++i) h = (h ^ bytes[i]) * 1099511628211ull;
-  return h;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -91,7 +85,7 @@ int main(int argc, char** argv) {
       run();
       const double ms = best_ms(15, std::max<int64_t>(1, 2000000000 / (rows * s.out * s.in) / 10), run);
       std::printf("rows %3ld  hot %-8s %9.3f ms %7.1f GMAC/s  hash %016llx\n", static_cast<long>(rows), s.name, ms,
-                  static_cast<double>(rows) * s.out * s.in / ms / 1e6, static_cast<unsigned long long>(hash(out)));
+                  static_cast<double>(rows) * s.out * s.in / ms / 1e6, static_cast<unsigned long long>(output_hash(out)));
     }
     double macs = 0;
     for (const auto& s : kShapes) macs += static_cast<double>(rows) * s.out * s.in * s.per_forward;
