@@ -8,7 +8,8 @@ gets, then the operators with the largest self time under the PyTorch profiler.
 
 A corpus beyond the context writes every conversation from its chunk (recall and yes/no), so
 its synthesis is windows and scoring; a short document's is mostly generation. The
-conversations are those of the document's first batches under the default seed.
+conversations are those of the document's first batches under the default seed, in the plan
+of a whole run (consecutive batches share a window's KV as they do there).
 """
 
 from __future__ import annotations
@@ -56,6 +57,27 @@ def timed_parts(seconds: collections.Counter, calls: collections.Counter) -> Non
         setattr(Synthesizer, name, wrapper)
 
 
+class _Enough(Exception):
+    """Stops synthesis once the conversations asked for are made."""
+
+
+def first_batches(model, corpus, config, conversations: int) -> list:
+    """The first batches of the whole run's plan, up to `conversations` conversations: planned
+    for all of `config.num_samples`, as a real run plans them (fewer would make chunks grow to
+    whole windows, and every batch compute a teacher window of its own)."""
+    made: list = []
+
+    def stop_when_enough(so_far: list) -> None:
+        if len(so_far) >= conversations:
+            made.extend(so_far)
+            raise _Enough
+
+    try:
+        return synthesize(model, corpus, config, on_batch=stop_when_enough)
+    except _Enough:
+        return made
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--doc", default="atlas", help="an evaluation document, short or long (default: atlas)")
@@ -74,7 +96,7 @@ def main() -> int:
           f"{config.synthesis_batch_size}; chunks of {config.chunk_tokens} tokens, teacher windows of "
           f"{config.teacher_tokens}; written {config.written_fraction}, yes/no {config.verify_fraction}, "
           f"cloze {config.cloze_fraction}")
-    synthesize(model, corpus, config.replace(num_samples=config.synthesis_batch_size))  # warm-up
+    first_batches(model, corpus, config, config.synthesis_batch_size)  # warm-up
     seconds: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
     timed_parts(seconds, calls)
@@ -83,7 +105,7 @@ def main() -> int:
     experimental = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     with profile(activities=activities, experimental_config=experimental) as prof:
         start = time.perf_counter()
-        conversations = synthesize(model, corpus, config.replace(num_samples=args.conversations))
+        conversations = first_batches(model, corpus, config, args.conversations)
         wall = time.perf_counter() - start
     kinds = collections.Counter(c.kind for c in conversations)
     print(f"\n{len(conversations)} conversations in {wall:.1f} s ({len(conversations) / wall:.2f} a second); "
