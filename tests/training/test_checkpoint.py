@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from cartridges.selfstudy.checkpoint import MAGIC, ConversationLog, load_conversations
@@ -32,11 +33,13 @@ def test_batches_append_and_read_back_in_order(tmp_path):
     made = [conversation(i) for i in range(7)]
     sizes = []
     for batch in (made[:3], made[3:5], made[5:]):
+        before = path.read_bytes()
         log.append(batch)
         sizes.append(path.stat().st_size)
+        assert path.read_bytes().startswith(before)  # what was there stays, byte for byte
     assert log.count == 7
     assert same(load_conversations(path), made)
-    # Each append writes its batch only: the file grows by about a batch, not by all so far.
+    # The file grows by one record a batch (two conversations' record, not all seven's).
     assert sizes[2] - sizes[1] < sizes[1] - len(MAGIC)
     resumed = ConversationLog(path, resume=True)
     assert resumed.count == 7 and same(resumed.conversations, made)
@@ -76,3 +79,11 @@ def test_the_former_whole_list_layout_is_read_and_rewritten(tmp_path):
     log.append(made[3:])
     assert path.read_bytes().startswith(MAGIC)
     assert same(load_conversations(path), made)
+
+
+def test_a_foreign_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "run.synthesis.pt"
+    path.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(ValueError, match="not a synthesis checkpoint"):
+        ConversationLog(path, resume=True)
+    assert path.read_bytes() == b"not a checkpoint at all"  # left as it was

@@ -32,12 +32,17 @@ def _record(conversations: Sequence[Conversation]) -> bytes:
     return _LENGTH.pack(len(buffer.getvalue())) + buffer.getvalue()
 
 
-def _read(data: bytes) -> tuple[list[Conversation], int]:
-    """The conversations of `data`'s whole records, and the bytes those records end at."""
-    if data.startswith(b"PK"):  # the former layout: a torch.save zip of the whole list
-        return [Conversation(**row) for row in torch.load(io.BytesIO(data), weights_only=True)], -1
+def _former_layout(data: bytes) -> bool:
+    return data.startswith(b"PK")  # a torch.save zip of the whole list
+
+
+def _read(data: bytes, path: Path) -> tuple[list[Conversation], int]:
+    """The conversations of `data` (the bytes of `path`), and the bytes its whole records end at:
+    a record cut short at the end is left out. The former layout is read whole."""
+    if _former_layout(data):
+        return [Conversation(**row) for row in torch.load(io.BytesIO(data), weights_only=True)], len(data)
     if not data.startswith(MAGIC):
-        raise ValueError("not a synthesis checkpoint")
+        raise ValueError(f"{path} is not a synthesis checkpoint: delete it to synthesize again")
     conversations, end = [], len(MAGIC)
     while end + _LENGTH.size <= len(data):
         (length,) = _LENGTH.unpack_from(data, end)
@@ -51,7 +56,8 @@ def _read(data: bytes) -> tuple[list[Conversation], int]:
 
 def load_conversations(path: str | os.PathLike[str]) -> list[Conversation]:
     """Every conversation of the whole records of the checkpoint `path`, in the order made."""
-    return _read(Path(path).read_bytes())[0]
+    path = Path(path)
+    return _read(path.read_bytes(), path)[0]
 
 
 def _write_new(path: Path, conversations: Sequence[Conversation]) -> None:
@@ -74,9 +80,9 @@ class ConversationLog:
         self.conversations: list[Conversation] = []
         if resume and self.path.exists():
             data = self.path.read_bytes()
-            self.conversations, end = _read(data)
-            if end < 0:
-                _write_new(self.path, self.conversations)  # the former layout, rewritten
+            self.conversations, end = _read(data, self.path)
+            if _former_layout(data):
+                _write_new(self.path, self.conversations)  # rewritten in this layout
             elif end < len(data):
                 os.truncate(self.path, end)  # the torn record, cut off before appending
         else:
