@@ -5,16 +5,16 @@
 // vector and scale them one block at a time: most of its instructions are bookkeeping, not
 // products. Here the weights are laid out once (add_int8_layout) in groups of 16 output
 // features: per group and block, runs of 4 weights of all 16 features side by side (one
-// 64-byte cache line per run), and the 16 features' scales. One dot instruction (VNNI's
-// dpbusd, or AVX2's maddubs) then multiplies a run of 8 features by 4 broadcast activations of
-// a row, a block's integers land in one lane per feature, and each lane is scaled and
-// accumulated in float32 on its own: no reduction within a vector. A pass takes a group's two
-// vectors and up to 4 rows: a run's weights are unpacked once for every row of the pass, and a
-// row's broadcast activations serve both vectors.
+// 64-byte cache line per run), and the 16 features' scales. One dot instruction then multiplies
+// a run by 4 broadcast activations of a row: AVX-512 VNNI's dpbusd all 16 features at once,
+// AVX2's maddubs 8 of them. A block's integers land in one lane per feature, and each lane is
+// scaled and accumulated in float32 on its own: no reduction within a vector. A pass takes a
+// group and up to 8 rows (AVX-512) or 4 (AVX2): a run's weights are unpacked once for every
+// row of the pass.
 //
 // Every path computes each output the same way: per block, the exact integer dot product, then
 // acc = fma(d * scale, dot, acc) and, for 4-bit formats, acc = fma(offset, scale * sum(q), acc)
-// (offset: Q4_0's -8 d, Q4_1's minimum m), blocks in order. So VNNI, AVX2 and the scalar code
+// (offset: Q4_0's -8 d, Q4_1's minimum m), blocks in order. So AVX-512, AVX2 and the scalar code
 // give the same bits, and a row's result does not depend on the rows beside it.
 #include "model/quantized_int8.h"
 
@@ -50,17 +50,19 @@ uint16_t half_bits_at(const uint8_t* p) {
   return bits;
 }
 
-// Input rows rounded to 8 bits per block of 32: x[j] ~ scale * q[j]. `sums` holds
-// scale * sum(q), which a 4-bit block's offset multiplies.
+// Input rows rounded to 8 bits per block of 32: x[j] ~ scale * q[j]. `totals` holds sum(q),
+// which the AVX-512 kernel takes off Q8_0's shifted dots, and `sums` scale * sum(q), which a
+// 4-bit block's offset multiplies.
 struct Int8Rows {
   int64_t blocks = 0;
-  std::vector<int8_t> q;     // [rows, blocks, 32]
-  std::vector<float> scale;  // [rows, blocks]
-  std::vector<float> sums;   // [rows, blocks]
+  std::vector<int8_t> q;        // [rows, blocks, 32]
+  std::vector<float> scale;     // [rows, blocks]
+  std::vector<int32_t> totals;  // [rows, blocks]
+  std::vector<float> sums;      // [rows, blocks]
 };
 
 #define CARTRIDGES_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define CARTRIDGES_VNNI __attribute__((target("avx512vnni,avx512vl,avx2,fma,f16c")))
+#define CARTRIDGES_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
 // One block, as llama.cpp's quantize_row_q8_1 rounds it: scale = max|x| / 127,
 // q = round-half-even(x * (127 / max|x|)).
@@ -112,12 +114,12 @@ Int8Rows round_rows(const float* x, int64_t rows, int64_t in, bool avx2) {
   r.blocks = in / kBlock;
   r.q.resize(rows * in);
   r.scale.resize(rows * r.blocks);
+  r.totals.resize(rows * r.blocks);
   r.sums.resize(rows * r.blocks);
   const auto round_block = avx2 ? round_block_avx2 : round_block_scalar;
   for (int64_t i = 0; i < rows * r.blocks; ++i) {
-    int32_t total;
-    round_block(x + i * kBlock, r.q.data() + i * kBlock, &r.scale[i], &total);
-    r.sums[i] = r.scale[i] * static_cast<float>(total);
+    round_block(x + i * kBlock, r.q.data() + i * kBlock, &r.scale[i], &r.totals[i]);
+    r.sums[i] = r.scale[i] * static_cast<float>(r.totals[i]);
   }
   return r;
 }
@@ -223,16 +225,6 @@ struct Avx2Dot {
   }
 };
 
-struct VnniDot {
-  template <bool kEightBit>
-  CARTRIDGES_VNNI static __m256i add(__m256i dot, __m256i w, __m256i x) {
-    if constexpr (kEightBit) return _mm256_dpbusd_epi32(dot, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-    return _mm256_dpbusd_epi32(dot, w, x);
-  }
-  template <bool kEightBit>
-  CARTRIDGES_VNNI static __m256i finish(__m256i dot) { return dot; }
-};
-
 // Rows r0..r0+R-1 against groups [g_begin, g_end), a group's 16 features as two vectors of 8:
 // per block, each run's weights are unpacked once and serve every row, and each row's broadcast
 // activations serve both vectors. One definition for both targets: GCC compiles a function for
@@ -310,8 +302,78 @@ struct VnniDot {
   }
 
 CARTRIDGES_GROUP_ROWS(group_rows_avx2, CARTRIDGES_AVX2, Avx2Dot)
-CARTRIDGES_GROUP_ROWS(group_rows_vnni, CARTRIDGES_VNNI, VnniDot)
 #undef CARTRIDGES_GROUP_ROWS
+
+// AVX-512 with VNNI: a run of a group's 16 features is one 64-byte vector, so one dpbusd
+// multiplies it by a row's 4 broadcast activations, and a pass takes up to 8 rows (one integer
+// and one float accumulator each, in registers). Q8_0's signed weights go in as w + 128
+// (a flipped sign bit), and 128 times the block's sum of activations comes off the integer
+// dot: the same exact integer as the AVX2 path's |w| times x with w's sign.
+// GCC 12 warns inside its own _mm512_undefined_ps (self-initialized on purpose) wherever
+// _mm512_cvtph_ps or _mm512_cvtepi32_ps inline.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+template <BlockFormat F, int R>
+CARTRIDGES_AVX512 void group_rows_avx512(const QuantizedMatrix& w, const Int8Rows& x, int64_t r0, float* y,
+                                         int64_t out, int64_t g_begin, int64_t g_end) {
+  constexpr bool kEightBit = F == BlockFormat::kQ8_0;
+  constexpr int64_t gb = kEightBit ? 512 : 256;
+  const int64_t blocks = x.blocks;
+  const uint8_t* wp = w.int8_weights.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(w.int8_scales.data_ptr<at::Half>());
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  const __m512i sign_bits = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* wb = wp + (g * blocks + b) * gb;
+      const int8_t* xb[R];
+      __m512i dot[R];
+      for (int r = 0; r < R; ++r) {
+        xb[r] = x.q.data() + ((r0 + r) * blocks + b) * kBlock;
+        dot[r] = _mm512_setzero_si512();
+      }
+      // Q8_0: run j's weights at 64 j; 4-bit: runs j and j + 4 as the low and high nibbles at 64 j.
+      for (int j = 0; j < (kEightBit ? 8 : 4); ++j) {
+        const __m512i v = _mm512_loadu_si512(wb + 64 * j);
+        if constexpr (kEightBit) {
+          const __m512i shifted = _mm512_xor_si512(v, sign_bits);
+          for (int r = 0; r < R; ++r) {
+            int32_t run;
+            std::memcpy(&run, xb[r] + 4 * j, 4);
+            dot[r] = _mm512_dpbusd_epi32(dot[r], shifted, _mm512_set1_epi32(run));
+          }
+        } else {
+          const __m512i low = _mm512_and_si512(v, low_nibbles);
+          const __m512i high = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
+          for (int r = 0; r < R; ++r) {
+            int32_t run_low, run_high;
+            std::memcpy(&run_low, xb[r] + 4 * j, 4);
+            std::memcpy(&run_high, xb[r] + 4 * j + 16, 4);
+            dot[r] = _mm512_dpbusd_epi32(dot[r], low, _mm512_set1_epi32(run_low));
+            dot[r] = _mm512_dpbusd_epi32(dot[r], high, _mm512_set1_epi32(run_high));
+          }
+        }
+      }
+      const uint16_t* sb = sp + (g * blocks + b) * 2 * kInt8Group;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+      const __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kInt8Group)));
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * blocks + b;
+        __m512i exact = dot[r];
+        if constexpr (kEightBit) exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(128 * x.totals[i]));
+        const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(x.scale[i]));
+        acc[r] = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(exact), acc[r]);
+        if constexpr (!kEightBit) acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x.sums[i]), acc[r]);
+      }
+    }
+    const int64_t n = g * kInt8Group, valid = std::min<int64_t>(kInt8Group, out - n);
+    const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * out + n, keep, acc[r]);
+  }
+}
+#pragma GCC diagnostic pop
 
 // ---- scalar (no AVX2), from the GGUF blocks themselves ----------------------------------------
 
@@ -342,39 +404,42 @@ void scalar_rows(const QuantizedMatrix& w, const Int8Rows& x, int64_t r0, int64_
 
 using GroupRowsFn = void (*)(const QuantizedMatrix&, const Int8Rows&, int64_t, float*, int64_t, int64_t, int64_t);
 
-// Rows a pass takes: each has two integer accumulators (a group's two vectors), which with the
-// two weight vectors, the broadcast activations and the nibble mask fit AVX2's 16 vector
-// registers at 4 rows; 5 rows were no faster (docs/experiments.md, "Does a pass over both
-// halves of a group make the int8 kernel faster?").
-constexpr int kRowsPerPass = 4;
+// Rows a pass takes. AVX2: each row has two integer accumulators (a group's two vectors), which
+// with the two weight vectors, the broadcast activations and the nibble mask fit AVX2's 16
+// vector registers at 4 rows; 5 rows were no faster (docs/experiments.md, "Does a pass over both
+// halves of a group make the int8 kernel faster?"). AVX-512: one integer and one float
+// accumulator a row in its 32 registers.
+constexpr int kAvx2RowsPerPass = 4, kAvx512RowsPerPass = 8;
 
 template <BlockFormat F>
-GroupRowsFn pick(int64_t rows, bool vnni) {
-  static_assert(kRowsPerPass == 4, "one kernel per row count up to kRowsPerPass");
-  static constexpr GroupRowsFn avx2[kRowsPerPass] = {group_rows_avx2<F, 1>, group_rows_avx2<F, 2>,
-                                                     group_rows_avx2<F, 3>, group_rows_avx2<F, 4>};
-  static constexpr GroupRowsFn with_vnni[kRowsPerPass] = {group_rows_vnni<F, 1>, group_rows_vnni<F, 2>,
-                                                          group_rows_vnni<F, 3>, group_rows_vnni<F, 4>};
-  return (vnni ? with_vnni : avx2)[rows - 1];
+GroupRowsFn pick(int64_t rows, bool avx512) {
+  static constexpr GroupRowsFn avx2[kAvx2RowsPerPass] = {group_rows_avx2<F, 1>, group_rows_avx2<F, 2>,
+                                                         group_rows_avx2<F, 3>, group_rows_avx2<F, 4>};
+  static constexpr GroupRowsFn wide[kAvx512RowsPerPass] = {
+      group_rows_avx512<F, 1>, group_rows_avx512<F, 2>, group_rows_avx512<F, 3>, group_rows_avx512<F, 4>,
+      group_rows_avx512<F, 5>, group_rows_avx512<F, 6>, group_rows_avx512<F, 7>, group_rows_avx512<F, 8>};
+  return (avx512 ? wide : avx2)[rows - 1];
 }
 
-GroupRowsFn simd_kernel(BlockFormat format, int64_t rows, bool vnni) {
+GroupRowsFn simd_kernel(BlockFormat format, int64_t rows, bool avx512) {
   switch (format) {
-    case BlockFormat::kQ4_0: return pick<BlockFormat::kQ4_0>(rows, vnni);
-    case BlockFormat::kQ4_1: return pick<BlockFormat::kQ4_1>(rows, vnni);
-    case BlockFormat::kQ8_0: return pick<BlockFormat::kQ8_0>(rows, vnni);
+    case BlockFormat::kQ4_0: return pick<BlockFormat::kQ4_0>(rows, avx512);
+    case BlockFormat::kQ4_1: return pick<BlockFormat::kQ4_1>(rows, avx512);
+    case BlockFormat::kQ8_0: return pick<BlockFormat::kQ8_0>(rows, avx512);
   }
   TORCH_INTERNAL_ASSERT(false);
 }
 
-// CARTRIDGES_NO_VNNI=1 runs the AVX2 kernel on a CPU with VNNI: to measure what CPUs without it get.
+// CARTRIDGES_NO_VNNI=1 runs the AVX2 kernel on a CPU with AVX-512 VNNI: to measure what CPUs
+// without it get.
 std::atomic<bool> vnni_allowed{std::getenv("CARTRIDGES_NO_VNNI") == nullptr};
 
 // Off only in tests of the scalar path.
 std::atomic<bool> simd_allowed{true};
 
 bool has_vnni() {
-  static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   return yes && vnni_allowed.load(std::memory_order_relaxed);
 }
 
@@ -393,7 +458,7 @@ void int8_linear(const float* x, int64_t rows, const QuantizedMatrix& w, float* 
   const bool avx2 = cpu_has_avx2() && simd_allowed.load(std::memory_order_relaxed), vnni = avx2 && has_vnni();
   // Rounded once, before the threads split the weights (a few microseconds).
   const Int8Rows xq = round_rows(x, rows, w.in_features, avx2);
-  const int64_t per_pass = kRowsPerPass;
+  const int64_t per_pass = vnni ? kAvx512RowsPerPass : kAvx2RowsPerPass;
   // Groups are independent: threads split them in chunks that keep each streaming through
   // whole groups. Within a chunk, a tile of 4 groups (a few KiB to tens of KiB, in cache)
   // serves every pass of rows before the next tile is read; many rows (a prompt) go 64 at a
