@@ -63,18 +63,22 @@ TEST_P(QuantizedTest, Int8RowResultsDoNotDependOnTheBatch) {
 }
 
 TEST_P(QuantizedTest, Int8ResultsDoNotDependOnVnni) {
-  // The AVX-512 VNNI and AVX2 kernels compute the same exact integer dots and scale them alike.
+  // The AVX-512 VNNI and AVX2 kernels compute the same exact integer dots and scale them alike
+  // (Q8_0 as w + 128 less 128 times the activations' sum on AVX-512, as |w| times signed x on AVX2).
   if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512vl")) {
     GTEST_SKIP() << "this CPU has no AVX-512 VNNI: only the AVX2 kernel runs";
   }
+  // Every pass size of the AVX-512 kernel (1-8 rows), and passes of 8 with a remainder.
   at::manual_seed(4);
   auto w = random_quantized_matrix(GetParam(), 40, 352);
-  auto x = at::randn({19, 352});
-  auto with_vnni = quantized_linear(x, w, ActivationPrecision::kInt8);
-  const bool before = allow_vnni_for_testing(false);
-  auto without = quantized_linear(x, w, ActivationPrecision::kInt8);
-  allow_vnni_for_testing(before);
-  EXPECT_TRUE(at::equal(with_vnni, without));
+  for (int64_t rows : {1, 2, 3, 4, 5, 6, 7, 8, 19}) {
+    auto x = at::randn({rows, 352});
+    auto with_vnni = quantized_linear(x, w, ActivationPrecision::kInt8);
+    const bool before = allow_vnni_for_testing(false);
+    auto without = quantized_linear(x, w, ActivationPrecision::kInt8);
+    allow_vnni_for_testing(before);
+    EXPECT_TRUE(at::equal(with_vnni, without)) << "rows " << rows;
+  }
 }
 
 TEST_P(QuantizedTest, Int8ResultsDoNotDependOnSimd) {

@@ -203,106 +203,102 @@ namespace {
 
 // ---- SIMD kernels ----------------------------------------------------------------------------
 
-// The integer part of a block, one activation run j at a time: `dot` accumulates weights w
-// (eight features' 4 weights of run j) times the run's activations broadcast to every feature.
-// 4-bit weights (0-15) are unsigned: maddubs + madd, or VNNI's dpbusd, take them as they are,
-// and AVX2 keeps the pairs' sums in 16 bits until the block ends (8 runs of at most
-// 2 x 15 x 127 each stay under 32,767). Q8_0's signed weights multiply as |w| times x with w's
-// sign (a pair at most 2 x 128 x 127), widened to 32 bits at once.
-struct Avx2Dot {
-  template <bool kEightBit>
-  CARTRIDGES_AVX2 static __m256i add(__m256i dot, __m256i w, __m256i x) {
-    if constexpr (kEightBit) {
-      const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-      return _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-    } else {
-      return _mm256_add_epi16(dot, _mm256_maddubs_epi16(w, x));
+// The integer part of a block on AVX2, one activation run j at a time: `dot` accumulates
+// weights w (eight features' 4 weights of run j) times the run's activations broadcast to every
+// feature. 4-bit weights (0-15) are unsigned: maddubs takes them as they are, and the pairs'
+// sums stay in 16 bits until the block ends (8 runs of at most 2 x 15 x 127 each stay under
+// 32,767). Q8_0's signed weights multiply as |w| times x with w's sign (a pair at most
+// 2 x 128 x 127), widened to 32 bits at once.
+template <bool kEightBit>
+CARTRIDGES_AVX2 inline __m256i add_run_avx2(__m256i dot, __m256i w, __m256i x) {
+  if constexpr (kEightBit) {
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    return _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  } else {
+    return _mm256_add_epi16(dot, _mm256_maddubs_epi16(w, x));
+  }
+}
+
+template <bool kEightBit>
+CARTRIDGES_AVX2 inline __m256i block_dot_avx2(__m256i dot) {
+  return kEightBit ? dot : _mm256_madd_epi16(dot, _mm256_set1_epi16(1));
+}
+
+// Rows r0..r0+R-1 against groups [g_begin, g_end) on AVX2, a group's 16 features as two vectors
+// of 8: per block, each run's weights are unpacked once and serve every row, and each row's
+// broadcast activations serve both vectors.
+template <BlockFormat F, int R>
+CARTRIDGES_AVX2 void group_rows_avx2(const QuantizedMatrix& w, const Int8Rows& x, int64_t r0, float* y, int64_t out,
+                                     int64_t g_begin, int64_t g_end) {
+  constexpr bool kEightBit = F == BlockFormat::kQ8_0;
+  constexpr int64_t gb = kEightBit ? 512 : 256;
+  const int64_t blocks = x.blocks;
+  const uint8_t* wp = w.int8_weights.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(w.int8_scales.data_ptr<at::Half>());
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    // The float accumulators live in memory (touched once per block), so that the registers
+    // hold the integer ones and the weights.
+    alignas(32) float acc[R][2][8] = {};
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* wb = wp + (g * blocks + b) * gb;
+      const int8_t* xb[R];
+      __m256i dot[R][2];
+      for (int r = 0; r < R; ++r) {
+        xb[r] = x.q.data() + ((r0 + r) * blocks + b) * kBlock;
+        dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+      }
+      // Q8_0: run j's weights at 64 j; 4-bit: runs j and j + 4 as the low and high nibbles at 64 j.
+#pragma GCC unroll 1
+      for (int j = 0; j < (kEightBit ? 8 : 4); ++j) {
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j + 32));
+        if constexpr (kEightBit) {
+          for (int r = 0; r < R; ++r) {
+            int32_t run;
+            std::memcpy(&run, xb[r] + 4 * j, 4);
+            const __m256i xv = _mm256_set1_epi32(run);
+            dot[r][0] = add_run_avx2<true>(dot[r][0], v0, xv);
+            dot[r][1] = add_run_avx2<true>(dot[r][1], v1, xv);
+          }
+        } else {
+          // The low nibbles (run j), then the high ones (run j + 4): two weight vectors live at a time.
+          for (int part = 0; part < 2; ++part) {
+            const __m256i w0 = _mm256_and_si256(part ? _mm256_srli_epi16(v0, 4) : v0, low_nibbles);
+            const __m256i w1 = _mm256_and_si256(part ? _mm256_srli_epi16(v1, 4) : v1, low_nibbles);
+            for (int r = 0; r < R; ++r) {
+              int32_t run;
+              std::memcpy(&run, xb[r] + 4 * j + 16 * part, 4);
+              const __m256i xv = _mm256_set1_epi32(run);
+              dot[r][0] = add_run_avx2<false>(dot[r][0], w0, xv);
+              dot[r][1] = add_run_avx2<false>(dot[r][1], w1, xv);
+            }
+          }
+        }
+      }
+      const uint16_t* sb = sp + (g * blocks + b) * 2 * kInt8Group;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8 * h)));
+        const __m256 offset =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + kInt8Group + 8 * h)));
+        for (int r = 0; r < R; ++r) {
+          const int64_t i = (r0 + r) * blocks + b;
+          const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i]));
+          __m256 a = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(block_dot_avx2<kEightBit>(dot[r][h])),
+                                     _mm256_load_ps(acc[r][h]));
+          if constexpr (!kEightBit) a = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.sums[i]), a);
+          _mm256_store_ps(acc[r][h], a);
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n = g * kInt8Group + 8 * h, valid = std::min<int64_t>(8, out - n);
+      if (valid <= 0) break;
+      for (int r = 0; r < R; ++r) std::memcpy(y + (r0 + r) * out + n, acc[r][h], valid * sizeof(float));
     }
   }
-  template <bool kEightBit>
-  CARTRIDGES_AVX2 static __m256i finish(__m256i dot) {
-    return kEightBit ? dot : _mm256_madd_epi16(dot, _mm256_set1_epi16(1));
-  }
-};
+}
 
-// Rows r0..r0+R-1 against groups [g_begin, g_end), a group's 16 features as two vectors of 8:
-// per block, each run's weights are unpacked once and serve every row, and each row's broadcast
-// activations serve both vectors. One definition for both targets: GCC compiles a function for
-// one target only, and the intrinsics must inline into a function of their target.
-#define CARTRIDGES_GROUP_ROWS(NAME, TARGET, DOT)                                                                     \
-  template <BlockFormat F, int R>                                                                                    \
-  TARGET void NAME(const QuantizedMatrix& w, const Int8Rows& x, int64_t r0, float* y, int64_t out, int64_t g_begin, \
-                   int64_t g_end) {                                                                                  \
-    constexpr bool kEightBit = F == BlockFormat::kQ8_0;                                                              \
-    constexpr int64_t gb = kEightBit ? 512 : 256;                                                                    \
-    const int64_t blocks = x.blocks;                                                                                 \
-    const uint8_t* wp = w.int8_weights.data_ptr<uint8_t>();                                                          \
-    const auto* sp = reinterpret_cast<const uint16_t*>(w.int8_scales.data_ptr<at::Half>());                          \
-    const __m256i low_nibbles = _mm256_set1_epi8(0x0F);                                                              \
-    for (int64_t g = g_begin; g < g_end; ++g) {                                                                      \
-      /* The float accumulators live in memory (touched once per block), so that the registers */                   \
-      /* hold the integer ones and the weights. */                                                                   \
-      alignas(32) float acc[R][2][8] = {};                                                                           \
-      for (int64_t b = 0; b < blocks; ++b) {                                                                         \
-        const uint8_t* wb = wp + (g * blocks + b) * gb;                                                              \
-        const int8_t* xb[R];                                                                                         \
-        __m256i dot[R][2];                                                                                           \
-        for (int r = 0; r < R; ++r) {                                                                                \
-          xb[r] = x.q.data() + ((r0 + r) * blocks + b) * kBlock;                                                     \
-          dot[r][0] = dot[r][1] = _mm256_setzero_si256();                                                            \
-        }                                                                                                            \
-        /* Q8_0: run j's weights at 64 j; 4-bit: runs j and j + 4 as the low and high nibbles at 64 j. */            \
-        _Pragma("GCC unroll 1") for (int j = 0; j < (kEightBit ? 8 : 4); ++j) {                                      \
-          const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j));                     \
-          const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j + 32));                \
-          if constexpr (kEightBit) {                                                                                 \
-            for (int r = 0; r < R; ++r) {                                                                            \
-              int32_t run;                                                                                           \
-              std::memcpy(&run, xb[r] + 4 * j, 4);                                                                   \
-              const __m256i xv = _mm256_set1_epi32(run);                                                             \
-              dot[r][0] = DOT::template add<true>(dot[r][0], v0, xv);                                                \
-              dot[r][1] = DOT::template add<true>(dot[r][1], v1, xv);                                                \
-            }                                                                                                        \
-          } else {                                                                                                   \
-            /* The low nibbles (run j), then the high ones (run j + 4): two weight vectors live at a time. */        \
-            for (int part = 0; part < 2; ++part) {                                                                   \
-              const __m256i w0 = _mm256_and_si256(part ? _mm256_srli_epi16(v0, 4) : v0, low_nibbles);                \
-              const __m256i w1 = _mm256_and_si256(part ? _mm256_srli_epi16(v1, 4) : v1, low_nibbles);                \
-              for (int r = 0; r < R; ++r) {                                                                          \
-                int32_t run;                                                                                         \
-                std::memcpy(&run, xb[r] + 4 * j + 16 * part, 4);                                                     \
-                const __m256i xv = _mm256_set1_epi32(run);                                                           \
-                dot[r][0] = DOT::template add<false>(dot[r][0], w0, xv);                                             \
-                dot[r][1] = DOT::template add<false>(dot[r][1], w1, xv);                                             \
-              }                                                                                                      \
-            }                                                                                                        \
-          }                                                                                                          \
-        }                                                                                                            \
-        const uint16_t* sb = sp + (g * blocks + b) * 2 * kInt8Group;                                                 \
-        for (int h = 0; h < 2; ++h) {                                                                                \
-          const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8 * h)));           \
-          const __m256 offset =                                                                                      \
-              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + kInt8Group + 8 * h)));           \
-          for (int r = 0; r < R; ++r) {                                                                              \
-            const int64_t i = (r0 + r) * blocks + b;                                                                 \
-            const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i]));                                          \
-            __m256 a = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(DOT::template finish<kEightBit>(dot[r][h])),           \
-                                       _mm256_load_ps(acc[r][h]));                                                   \
-            if constexpr (!kEightBit) a = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.sums[i]), a);                     \
-            _mm256_store_ps(acc[r][h], a);                                                                           \
-          }                                                                                                          \
-        }                                                                                                            \
-      }                                                                                                              \
-      for (int h = 0; h < 2; ++h) {                                                                                  \
-        const int64_t n = g * kInt8Group + 8 * h, valid = std::min<int64_t>(8, out - n);                             \
-        if (valid <= 0) break;                                                                                       \
-        for (int r = 0; r < R; ++r) std::memcpy(y + (r0 + r) * out + n, acc[r][h], valid * sizeof(float));          \
-      }                                                                                                              \
-    }                                                                                                                \
-  }
-
-CARTRIDGES_GROUP_ROWS(group_rows_avx2, CARTRIDGES_AVX2, Avx2Dot)
-#undef CARTRIDGES_GROUP_ROWS
 
 // AVX-512 with VNNI: a run of a group's 16 features is one 64-byte vector, so one dpbusd
 // multiplies it by a row's 4 broadcast activations, and a pass takes up to 8 rows (one integer
