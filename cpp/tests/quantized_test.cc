@@ -65,8 +65,9 @@ TEST_P(QuantizedTest, Int8RowResultsDoNotDependOnTheBatch) {
 TEST_P(QuantizedTest, Int8ResultsDoNotDependOnVnni) {
   // The AVX-512 VNNI and AVX2 kernels compute the same exact integer dots and scale them alike
   // (Q8_0 as w + 128 less 128 times the activations' sum on AVX-512, as |w| times signed x on AVX2).
-  if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512vl")) {
-    GTEST_SKIP() << "this CPU has no AVX-512 VNNI: only the AVX2 kernel runs";
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512vnni")) {
+    GTEST_SKIP() << "this CPU has no AVX-512 (F, BW, VL, VNNI): only the AVX2 kernel runs";
   }
   // Every pass size of the AVX-512 kernel (1-8 rows), and passes of 8 with a remainder.
   at::manual_seed(4);

@@ -433,7 +433,8 @@ std::atomic<bool> vnni_allowed{std::getenv("CARTRIDGES_NO_VNNI") == nullptr};
 // Off only in tests of the scalar path.
 std::atomic<bool> simd_allowed{true};
 
-bool has_vnni() {
+// Whether the AVX-512 VNNI kernel runs: the CPU has it, and CARTRIDGES_NO_VNNI is not set.
+bool use_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   return yes && vnni_allowed.load(std::memory_order_relaxed);
@@ -451,10 +452,10 @@ void int8_linear(const float* x, int64_t rows, const QuantizedMatrix& w, float* 
   TORCH_CHECK(w.int8_weights.defined() && w.int8_scales.defined(),
               "quantized_linear: the matrix has no int8 layout (build it with quantized_matrix())");
   const int64_t out = w.out_features(), groups = (out + kInt8Group - 1) / kInt8Group;
-  const bool avx2 = cpu_has_avx2() && simd_allowed.load(std::memory_order_relaxed), vnni = avx2 && has_vnni();
+  const bool avx2 = cpu_has_avx2() && simd_allowed.load(std::memory_order_relaxed), avx512 = avx2 && use_avx512();
   // Rounded once, before the threads split the weights (a few microseconds).
   const Int8Rows xq = round_rows(x, rows, w.in_features, avx2);
-  const int64_t per_pass = vnni ? kAvx512RowsPerPass : kAvx2RowsPerPass;
+  const int64_t per_pass = avx512 ? kAvx512RowsPerPass : kAvx2RowsPerPass;
   // Groups are independent: threads split them in chunks that keep each streaming through
   // whole groups. Within a chunk, a tile of 4 groups (a few KiB to tens of KiB, in cache)
   // serves every pass of rows before the next tile is read; many rows (a prompt) go 64 at a
@@ -466,7 +467,7 @@ void int8_linear(const float* x, int64_t rows, const QuantizedMatrix& w, float* 
       for (int64_t r0 = first_row; r0 < last_row; r0 += per_pass) {
         const int64_t pass = std::min(per_pass, last_row - r0);
         if (avx2) {
-          simd_kernel(w.format, pass, vnni)(w, xq, r0, y, out, tile, tile_end);
+          simd_kernel(w.format, pass, avx512)(w, xq, r0, y, out, tile, tile_end);
         } else {
           scalar_rows(w, xq, r0, pass, y, out, tile, tile_end);
         }
