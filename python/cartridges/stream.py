@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -171,12 +172,20 @@ class Stream:
             self.close()
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
+        async with contextlib.aclosing(self.batches()) as batches:  # leaving early cancels now, not at GC
+            async for deltas in batches:
+                for delta in deltas:
+                    yield delta
+
+    async def batches(self) -> AsyncIterator[list[Delta]]:
+        """The deltas as they arrive: one list per wake-up (a step's token, or several when the
+        consumer fell behind), never empty. A server sends each list as one event."""
         if self._wakeup is None:
             raise RuntimeError("this stream was submitted outside an event loop; iterate it without `async`")
         try:
             while True:
-                for delta in self._take():
-                    yield delta
+                if deltas := self._take():
+                    yield deltas
                 if self.finished:
                     self._raise_on_error()
                     return

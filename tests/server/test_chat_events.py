@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from cartridges.stream import Delta, GenerationError
-from cartridges.server.completions import events
+from cartridges.server.completions import Answer, Plan, events
 
 
 class FailingStream:
@@ -16,8 +18,8 @@ class FailingStream:
     finish_reason = None
     tokens = [5]
 
-    async def __aiter__(self):
-        yield Delta("Hel", token=5)
+    async def batches(self):
+        yield [Delta("Hel", token=5)]
         raise GenerationError("CUDA error: an illegal memory access was encountered")
 
     def close(self) -> None:
@@ -29,6 +31,9 @@ class FakeAnswer:
 
     def chunk(self, choices, usage=None, with_usage=False, extra=None) -> bytes:
         return ("data: " + json.dumps({"choices": choices, **(extra or {})}) + "\n\n").encode()
+
+    def content_chunk(self, index, text, with_usage=False) -> bytes:
+        return self.chunk([{"index": index, "delta": {"content": text}}])
 
     def retrieval(self):
         return {}
@@ -54,3 +59,28 @@ def test_an_engine_failure_mid_stream_is_an_error_event() -> None:
     assert error == {"message": "The engine failed while generating.", "type": "server_error", "param": None,
                      "code": "internal_error"}  # no engine internals reach the client
     assert b"[DONE]" not in b"".join(out) and stream.closed
+
+
+class TinyChatTokenizer:
+    eos_token_ids = [0]
+
+    def __init__(self) -> None:
+        from model_files import make_tiny_tokenizer
+        self.tokenizer = make_tiny_tokenizer()
+
+
+@pytest.mark.parametrize("model", ["base-model", "cart_\u00e9t\u00e9 \"quoted\""])
+def test_a_content_chunk_is_the_general_chunk_byte_for_byte(model: str) -> None:
+    """Stream events of text alone come from a template (the per-token path); they must be
+    exactly what the general chunk writes."""
+    plan = Plan(prompt=[1, 2], prefixes=[], composition="mixture", weigh_from=0, cartridge_tokens=0,
+                max_new_tokens=4, stop=[], top_logprobs=None, seeds=[-1])
+    serving = type("Serving", (), {"model": type("Model", (), {"tokenizer": TinyChatTokenizer()})()})()
+    answer = Answer(serving, plan, model, started=0.0)
+    for text in ["Hello", " world", "", 'a "quote", a \\ and a\nnew line', "caf\u00e9 \u2603 \U0001f600", "</script>"]:
+        for index in (0, 3):
+            for with_usage in (False, True):
+                general = answer.chunk([{"index": index, "delta": {"content": text}, "logprobs": None,
+                                         "finish_reason": None}], with_usage=with_usage)
+                assert answer.content_chunk(index, text, with_usage=with_usage) == general
+                assert json.loads(general.decode().removeprefix("data: "))["choices"][0]["delta"]["content"] == text

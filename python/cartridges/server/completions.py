@@ -14,8 +14,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi.sse import format_sse_event
-
 from cartridges.engine import COMPOSITIONS, ContextLengthError, EngineBusyError, EngineStoppedError
 from cartridges.stream import Delta, GenerationError, Stream, TokenLogprob, choice_seeds
 from cartridges.retrieval import TOP_K, passages_prompt
@@ -194,6 +192,10 @@ class Answer:
         self._stop_ids = set(self._tokenizer.eos_token_ids)
         self.started = started
         self.first_token_at: float | None = None
+        # A chunk's fields before its choices, and their JSON up to the choices' first (content_chunk).
+        self._chunk_fields = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                              "model": model, "system_fingerprint": None}
+        self._chunk_head = json.dumps(self._chunk_fields, separators=(",", ":"))[:-1] + ',"choices":['
 
     def usage(self, streams: list[Stream]) -> dict[str, Any]:
         prompt = len(self.plan.prompt) + self.plan.cartridge_tokens
@@ -222,11 +224,17 @@ class Answer:
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
               with_usage: bool = False, extra: dict[str, Any] | None = None) -> bytes:
-        body: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                                "model": self.model, "system_fingerprint": None, "choices": choices, **(extra or {})}
+        body: dict[str, Any] = {**self._chunk_fields, "choices": choices, **(extra or {})}
         if with_usage:
             body["usage"] = usage
-        return format_sse_event(data_str=json.dumps(body, separators=(",", ":")))
+        return sse_event(json.dumps(body, separators=(",", ":")))
+
+    def content_chunk(self, index: int, text: str, with_usage: bool = False) -> bytes:
+        """`chunk` of one choice's text alone, nearly every event of a stream: the same bytes,
+        with only the text encoded per token."""
+        usage = ',"usage":null' if with_usage else ""
+        return sse_event(f'{self._chunk_head}{{"index":{index},"delta":{{"content":{json.dumps(text)}}},'
+                         f'"logprobs":null,"finish_reason":null}}]{usage}}}')
 
     def logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
         if self.plan.top_logprobs is None:
@@ -296,24 +304,16 @@ async def collect(streams: list[Stream], answer: Answer, disconnected: asyncio.E
             await asyncio.gather(work, return_exceptions=True)
 
 
-# Longer than 60 lines: the pumps, the queue and the event order (one choice per chunk, usage last)
-# share the response's state.
+# Longer than 60 lines: the event order (one choice per chunk, usage last) and the merging of
+# what arrived together share the response's state.
 async def events(streams: list[Stream], answer: Answer, include_usage: bool,
                  disconnected: asyncio.Event) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed completion, ending with `data: [DONE]`.
 
     As OpenAI streams `n` > 1: every chunk carries exactly one choice, its `index` saying which;
     a choice's first chunk brings the role, its last (a chunk of its own) the finish reason; the
-    usage chunk, when asked for, comes last with no choices."""
-    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
-
-    async def pump(index: int, stream: Stream) -> None:
-        try:
-            async for delta in stream:
-                queue.put_nowait((index, delta))
-            queue.put_nowait((index, None))
-        except Exception as error:  # noqa: BLE001 - sent to the client as an error event
-            queue.put_nowait((index, error))
+    usage chunk, when asked for, comes last with no choices. What a choice's stream delivered
+    together (the loop fell behind the engine) goes out as one chunk."""
 
     async def watch() -> None:
         await disconnected.wait()
@@ -325,16 +325,14 @@ async def events(streams: list[Stream], answer: Answer, include_usage: bool,
         return answer.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
                             with_usage=include_usage, extra=extra)
 
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)] + [asyncio.ensure_future(watch())]
+    watcher = asyncio.ensure_future(watch())
+    arrivals = _arrivals(streams)
     try:
         for index in range(len(streams)):  # the retrieved passages, once, on the very first chunk
             yield one(index, {"role": "assistant", "content": ""}, extra=answer.retrieval() if index == 0 else None)
         remaining = len(streams)
         while remaining:
-            batch = [await queue.get()]
-            while not queue.empty():
-                batch.append(queue.get_nowait())
-            # What arrived together is merged per choice, in arrival order of the choices.
+            batch = await anext(arrivals)
             merged: dict[int, dict[str, Any]] = {}
             failure: BaseException | None = None
             for index, item in batch:
@@ -353,10 +351,10 @@ async def events(streams: list[Stream], answer: Answer, include_usage: bool,
                     entry["logprobs"].append(item.logprob)
             for index, entry in merged.items():
                 logprobs = answer.logprobs(entry["logprobs"])
-                if not (logprobs and logprobs["content"]):
-                    logprobs = None
-                if entry["text"] or logprobs:
+                if logprobs and logprobs["content"]:
                     yield one(index, {"content": entry["text"]}, logprobs)
+                elif entry["text"]:
+                    yield answer.content_chunk(index, entry["text"], with_usage=include_usage)
             if failure is not None:  # after what came before it
                 yield _error_event(failure)
                 return
@@ -365,15 +363,58 @@ async def events(streams: list[Stream], answer: Answer, include_usage: bool,
                     yield one(index, {}, finish_reason=entry["finish_reason"])
         if include_usage:
             yield answer.chunk([], answer.usage(streams), with_usage=True)
-        yield format_sse_event(data_str="[DONE]")
+        yield sse_event("[DONE]")
     except GenerationError as error:
         yield _error_event(error)
     finally:
         for stream in streams:
             stream.close()
-        for task in tasks:
+        watcher.cancel()
+        await arrivals.aclose()
+        await asyncio.gather(watcher, return_exceptions=True)
+
+
+Arrival = tuple[int, Delta | BaseException | None]  # a choice's delta, its end (None) or its failure
+
+
+async def _arrivals(streams: list[Stream]) -> AsyncIterator[list[Arrival]]:
+    """What the choices' streams delivered, a list per wake-up, in order of arrival. One choice
+    (nearly every request) is read directly; several are pumped into one queue by a task each."""
+    if len(streams) == 1:
+        try:
+            async for deltas in streams[0].batches():
+                yield [(0, delta) for delta in deltas]
+            yield [(0, None)]
+        except Exception as error:  # noqa: BLE001 - sent to the client as an error event
+            yield [(0, error)]
+        return
+    queue: asyncio.Queue[Arrival] = asyncio.Queue()
+
+    async def pump(index: int, stream: Stream) -> None:
+        try:
+            async for deltas in stream.batches():
+                for delta in deltas:
+                    queue.put_nowait((index, delta))
+            queue.put_nowait((index, None))
+        except Exception as error:  # noqa: BLE001 - sent to the client as an error event
+            queue.put_nowait((index, error))
+
+    pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        while True:
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            yield batch
+    finally:
+        for task in pumps:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+def sse_event(data: str) -> bytes:
+    """One server-sent event of one `data:` line (JSON as `json.dumps` writes it has no line breaks)."""
+    return b"data: " + data.encode() + b"\n\n"
 
 
 def _error_event(error: BaseException) -> bytes:
@@ -381,5 +422,5 @@ def _error_event(error: BaseException) -> bytes:
     log.error("generation failed: %s", error)
     body = {"error": {"message": "The engine failed while generating.", "type": "server_error", "param": None,
                       "code": "internal_error"}}
-    return format_sse_event(data_str=json.dumps(body))
+    return sse_event(json.dumps(body))
 
