@@ -5,6 +5,7 @@ Routes take what they use through these, never from `request.app.state` directly
 from __future__ import annotations
 
 import hmac
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, Request, Security
@@ -61,13 +62,25 @@ def get_extractor(request: Request) -> Extractor:
     return _started(request, "extractor")
 
 
-StoreDep = Annotated[Any, Depends(get_store)]
-BlobMirrorDep = Annotated[Any, Depends(get_blob_mirror)]
-SettingsDep = Annotated[Settings, Depends(get_settings)]
-ServingDep = Annotated[Serving, Depends(get_serving)]
-SupervisorDep = Annotated[Supervisor, Depends(get_supervisor)]
-MetricsDep = Annotated[Metrics, Depends(get_metrics)]
-ExtractorDep = Annotated[Extractor, Depends(get_extractor)]
+def _on_loop(accessor: Callable[[Request], Any]) -> Callable[[Request], Awaitable[Any]]:
+    """An accessor of the app's state as a dependency that runs on the event loop. FastAPI runs a
+    plain `def` dependency in its threadpool, a thread hop per dependency and request; these
+    only read attributes and never block."""
+
+    async def dependency(request: Request) -> Any:
+        return accessor(request)
+
+    dependency.__name__ = accessor.__name__
+    return dependency
+
+
+StoreDep = Annotated[Any, Depends(_on_loop(get_store))]
+BlobMirrorDep = Annotated[Any, Depends(_on_loop(get_blob_mirror))]
+SettingsDep = Annotated[Settings, Depends(_on_loop(get_settings))]
+ServingDep = Annotated[Serving, Depends(_on_loop(get_serving))]
+SupervisorDep = Annotated[Supervisor, Depends(_on_loop(get_supervisor))]
+MetricsDep = Annotated[Metrics, Depends(_on_loop(get_metrics))]
+ExtractorDep = Annotated[Extractor, Depends(_on_loop(get_extractor))]
 
 
 _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <API key>`")
