@@ -4,10 +4,11 @@ engine in this process on the same prompts.
 1. Concurrency: N streaming clients (each sends its requests one after another), greedy chat
    replies of up to 128 tokens: output tokens/s, time to first token, inter-token latency;
    first on the engine in this process, then through the server. The ratio is what the
-   HTTP layer (FastAPI, JSON, server-sent events, the event loop) costs. Beside it, on Linux,
-   the server's CPU time outside the engine's compute threads (named "cartridges-step": the
-   step and its OpenMP team) per engine step, against the wall time of a step: what the HTTP
-   layer and the bridge from the engine to asyncio cost, measured as CPU, which the shared
+   HTTP layer (FastAPI, JSON, server-sent events, the event loop) costs, and on a small machine
+   what the clients take of its cores (this process' CPU per step is printed). Beside it, on
+   Linux, the server's CPU time outside the engine's compute threads (named "cartridges-step":
+   the step and its OpenMP team) per engine step, against the wall time of a step: what the
+   HTTP layer and the bridge from the engine to asyncio cost, measured as CPU, which the shared
    cores' noise moves less than wall-clock ratios.
 2. Cartridge against document in context over HTTP: U users, each with their own document of
    D tokens and Q questions: (a) the document in the message, (c) a C-token cartridge as
@@ -253,7 +254,9 @@ def main() -> None:
             per_client = [[{**body, "messages": messages_for(QUESTIONS[(c + r) % len(QUESTIONS)])}
                            for r in range(args.rounds)] for c in range(n)]
             cpu_before, steps_before = thread_cpu_s(server.proc.pid), engine_steps(server.url)
+            clients_cpu = time.process_time()
             timings, wall = asyncio.run(http_clients(server.url, per_client))
+            clients_cpu = time.process_time() - clients_cpu
             (compute, other), steps = thread_cpu_s(server.proc.pid), engine_steps(server.url) - steps_before
             compute, other = compute - cpu_before[0], other - cpu_before[1]
             tput = timings.tokens / wall
@@ -262,7 +265,8 @@ def main() -> None:
                 step_wall = wall / steps
                 print(f"  server CPU per step ({steps} steps, {step_wall * 1e3:.1f} ms of wall each): compute "
                       f"{compute / steps * 1e3:.1f} ms, outside it (HTTP, asyncio, the bridge) "
-                      f"{other / steps * 1e3:.2f} ms = {other / steps / step_wall:.1%} of a step")
+                      f"{other / steps * 1e3:.2f} ms = {other / steps / step_wall:.1%} of a step; the clients "
+                      f"(this process) {clients_cpu / steps * 1e3:.2f} ms")
 
         if docs:
             answer = {"temperature": 0, "max_tokens": args.answer_tokens}
