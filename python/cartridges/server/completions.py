@@ -5,6 +5,7 @@ of `chat.completion.chunk` events."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -382,8 +383,9 @@ async def _arrivals(streams: list[Stream]) -> AsyncIterator[list[Arrival]]:
     (nearly every request) is read directly; several are pumped into one queue by a task each."""
     if len(streams) == 1:
         try:
-            async for deltas in streams[0].batches():
-                yield [(0, delta) for delta in deltas]
+            async with contextlib.aclosing(streams[0].batches()) as batches:
+                async for deltas in batches:
+                    yield [(0, delta) for delta in deltas]
             yield [(0, None)]
         except Exception as error:  # noqa: BLE001 - sent to the client as an error event
             yield [(0, error)]
