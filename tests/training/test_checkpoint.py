@@ -87,3 +87,19 @@ def test_a_foreign_file_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="not a synthesis checkpoint"):
         ConversationLog(path, resume=True)
     assert path.read_bytes() == b"not a checkpoint at all"  # left as it was
+
+
+def test_a_damaged_record_in_the_middle_is_a_clear_error(tmp_path):
+    path = tmp_path / "run.synthesis.pt"
+    log = ConversationLog(path, resume=False)
+    log.append([conversation(i) for i in range(3)])
+    log.append([conversation(i) for i in range(3, 5)])
+    data = bytearray(path.read_bytes())
+    body = len(MAGIC) + 8  # the first record's body: the start of its torch.save archive
+    data[body : body + 64] = bytes(64)  # zeroed on disk, its length and the next record intact
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"{path.name} is damaged: the record at byte {body - 8} cannot be read; delete the file"):
+        ConversationLog(path, resume=True)
+    with pytest.raises(ValueError, match="is damaged"):
+        load_conversations(path)
+    assert path.read_bytes() == bytes(data)  # left as it was

@@ -5,8 +5,8 @@ Appending keeps each batch's cost flat: rewriting every conversation so far afte
 made a long corpus' synthesis quadratic (the 53K-token chronicle's 5,392 conversations: about
 180 MB rewritten and fsynced per batch at the end). The file is a magic line, then records of
 an 8-byte little-endian length and a `torch.save` of one batch's conversations. A record cut
-short by a crash is dropped when the file is opened again, and cut off it. A file in the
-former layout (one `torch.save` of the whole list) is read as it is and rewritten in this one."""
+short by a crash is dropped when the file is opened again, and cut off it; a whole record that
+cannot be read is a clear error that names the file. A file in the former layout (one `torch.save` of the whole list) is read as it is and rewritten in this one."""
 
 from __future__ import annotations
 
@@ -36,11 +36,20 @@ def _former_layout(data: bytes) -> bool:
     return data.startswith(b"PK")  # a torch.save zip of the whole list
 
 
+def _load(blob: bytes, path: Path, offset: int) -> list[Conversation]:
+    """The conversations of one whole record (or of a file in the former layout) at `offset`."""
+    try:
+        return [Conversation(**row) for row in torch.load(io.BytesIO(blob), weights_only=True)]
+    except Exception as error:  # damaged on disk; torch's own message names neither the file nor the way out
+        raise ValueError(f"{path} is damaged: the record at byte {offset} cannot be read; delete the file "
+                         "to synthesize again") from error
+
+
 def _read(data: bytes, path: Path) -> tuple[list[Conversation], int]:
     """The conversations of `data` (the bytes of `path`), and the bytes its whole records end at:
     a record cut short at the end is left out. The former layout is read whole."""
     if _former_layout(data):
-        return [Conversation(**row) for row in torch.load(io.BytesIO(data), weights_only=True)], len(data)
+        return _load(data, path, 0), len(data)
     if not data.startswith(MAGIC):
         raise ValueError(f"{path} is not a synthesis checkpoint: delete it to synthesize again")
     conversations, end = [], len(MAGIC)
@@ -49,7 +58,7 @@ def _read(data: bytes, path: Path) -> tuple[list[Conversation], int]:
         blob = data[end + _LENGTH.size : end + _LENGTH.size + length]
         if len(blob) < length:
             break  # the record a crash cut short
-        conversations.extend(Conversation(**row) for row in torch.load(io.BytesIO(blob), weights_only=True))
+        conversations.extend(_load(blob, path, end))
         end += _LENGTH.size + length
     return conversations, end
 
