@@ -62,6 +62,25 @@ TEST_P(QuantizedTest, Int8RowResultsDoNotDependOnTheBatch) {
   }
 }
 
+TEST_P(QuantizedTest, Int8ProductsSpanningSeveralTilesMatch) {
+  // The kernel walks a thread's groups in tiles of up to 256 KiB of weights: a matrix of
+  // several tiles (1,100 features, a last group of 12, by 1,024) gives what one tile would,
+  // for a row alone, for passes of rows and past a chunk of 64 rows.
+  at::manual_seed(6);
+  auto w = random_quantized_matrix(GetParam(), 1100, 1024);
+  ASSERT_GT(w.int8_weights.nbytes(), 2 * (256 << 10));
+  auto dense = dequantize(w);
+  auto x = at::randn({70, 1024});
+  auto all = quantized_linear(x, w, ActivationPrecision::kInt8);
+  auto expected = at::linear(round_activations_int8(x), dense);
+  const double atol = 1e-6 * expected.abs().max().item<double>();
+  EXPECT_TRUE(at::allclose(all, expected, 1e-5, atol)) << (all - expected).abs().max().item<float>();
+  for (int64_t rows : {1, 9, 16}) {
+    EXPECT_TRUE(at::equal(quantized_linear(x.narrow(0, 0, rows), w, ActivationPrecision::kInt8),
+                          all.narrow(0, 0, rows))) << "rows " << rows;
+  }
+}
+
 TEST_P(QuantizedTest, Int8ResultsDoNotDependOnVnni) {
   // The AVX-512 VNNI and AVX2 kernels compute the same exact integer dots and scale them alike
   // (Q8_0 as w + 128 less 128 times the activations' sum on AVX-512, as |w| times signed x on AVX2).

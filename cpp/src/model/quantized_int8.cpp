@@ -457,13 +457,17 @@ void int8_linear(const float* x, int64_t rows, const QuantizedMatrix& w, float* 
   const Int8Rows xq = round_rows(x, rows, w.in_features, avx2);
   const int64_t per_pass = avx512 ? kAvx512RowsPerPass : kAvx2RowsPerPass;
   // Groups are independent: threads split them in chunks that keep each streaming through
-  // whole groups. Within a chunk, a tile of 4 groups (a few KiB to tens of KiB, in cache)
-  // serves every pass of rows before the next tile is read; many rows (a prompt) go 64 at a
-  // time, so that their activations stay in cache while every tile passes them.
-  constexpr int64_t kTile = 4, kRowChunk = 64;
+  // whole groups. Within a chunk, a tile of groups of up to 256 KiB of weights (in L2) serves
+  // every pass of rows before the next tile is read; many rows (a prompt) go 64 at a time, so
+  // that their activations stay in cache while every tile passes them. Tiles of 4 groups (a few
+  // KiB, in L1) measured 1.15-1.25x slower at 16 and 64 rows: each tile began a new stream
+  // from memory (docs/experiments.md, "Does the int8 kernel's tile size matter?").
+  constexpr int64_t kTileBytes = 256 << 10, kRowChunk = 64;
+  const int64_t group_bytes = (w.int8_weights.nbytes() + w.int8_scales.nbytes()) / groups;
+  const int64_t tile_groups = std::max<int64_t>(1, kTileBytes / std::max<int64_t>(1, group_bytes));
   auto multiply = [&](int64_t first_row, int64_t last_row, int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; tile += kTile) {
-      const int64_t tile_end = std::min(tile + kTile, end);
+    for (int64_t tile = begin; tile < end; tile += tile_groups) {
+      const int64_t tile_end = std::min(tile + tile_groups, end);
       for (int64_t r0 = first_row; r0 < last_row; r0 += per_pass) {
         const int64_t pass = std::min(per_pass, last_row - r0);
         if (avx2) {
