@@ -98,7 +98,8 @@ def test_a_damaged_record_in_the_middle_is_a_clear_error(tmp_path):
     body = len(MAGIC) + 8  # the first record's body: the start of its torch.save archive
     data[body : body + 64] = bytes(64)  # zeroed on disk, its length and the next record intact
     path.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match=f"{path.name} is damaged: the record at byte {body - 8} cannot be read; delete the file"):
+    message = f"{path.name} is damaged: the record at byte {body - 8} cannot be read; delete the file"
+    with pytest.raises(ValueError, match=message):
         ConversationLog(path, resume=True)
     with pytest.raises(ValueError, match="is damaged"):
         load_conversations(path)

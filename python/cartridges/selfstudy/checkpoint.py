@@ -6,7 +6,8 @@ made a long corpus' synthesis quadratic (the 53K-token chronicle's 5,392 convers
 180 MB rewritten and fsynced per batch at the end). The file is a magic line, then records of
 an 8-byte little-endian length and a `torch.save` of one batch's conversations. A record cut
 short by a crash is dropped when the file is opened again, and cut off it; a whole record that
-cannot be read is a clear error that names the file. A file in the former layout (one `torch.save` of the whole list) is read as it is and rewritten in this one."""
+cannot be read is a clear error that names the file. A file in the former layout (one
+`torch.save` of the whole list) is read as it is and rewritten in this one."""
 
 from __future__ import annotations
 
