@@ -1,9 +1,12 @@
 #include "model/split_attention.h"
 
+#include "model/prefix_attention_bf16.h"
+
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <optional>
+#include <tuple>
 
 namespace cartridges::ops {
 
@@ -36,6 +39,12 @@ at::Tensor unfold_lse(const at::Tensor& lse, int64_t batch, int64_t steps) {
   return unfold(lse.unsqueeze(-1), batch, steps).squeeze(-1);
 }
 
+// The prefix kernel's float32 [H_kv, P] biases from ATen's additive mask [.., H_kv, 1, P] in q's
+// dtype: the values ATen's fused attention would add, so both paths see the same scores.
+at::Tensor kernel_bias(const std::optional<at::Tensor>& mask, int64_t kv_heads) {
+  return mask ? mask->reshape({-1, kv_heads, mask->size(-1)}).select(0, 0).to(at::kFloat) : at::Tensor();
+}
+
 struct SplitAttention : public torch::autograd::Function<SplitAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& prefix_keys, const at::Tensor& prefix_values,
@@ -50,8 +59,15 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
     auto pv = prefix_values.unsqueeze(0).expand({sequences, -1, -1, -1});
     std::optional<at::Tensor> pmask;
     if (prefix_mask) pmask = prefix_mask->expand({sequences, -1, -1, -1});
-    auto [prefix_out, prefix_lse] =
-        at::_scaled_dot_product_flash_attention_for_cpu(folded_q, pk, pv, 0.0, false, pmask);
+    at::Tensor prefix_out, prefix_lse;
+    const bool prefix_kernel = q.scalar_type() == at::kBFloat16 && prefix_attention_bf16_supported(q.size(3));
+    if (prefix_kernel) {
+      std::tie(prefix_out, prefix_lse) =
+          prefix_attention_bf16(folded_q, prefix_keys, prefix_values, kernel_bias(prefix_mask, kv_heads));
+    } else {
+      std::tie(prefix_out, prefix_lse) =
+          at::_scaled_dot_product_flash_attention_for_cpu(folded_q, pk, pv, 0.0, false, pmask);
+    }
     auto own_k = groups == 1 ? k : k.repeat_interleave(groups, 1);
     auto own_v = groups == 1 ? v : v.repeat_interleave(groups, 1);
     auto [own_out, own_lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, own_k, own_v, 0.0, own_causal, own_mask);
@@ -71,6 +87,7 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
     ctx->saved_data["own_causal"] = own_causal;
     ctx->saved_data["kv_heads"] = kv_heads;
     ctx->saved_data["sequences"] = sequences;
+    ctx->saved_data["prefix_kernel"] = prefix_kernel;
     return out;
   }
 
@@ -93,16 +110,26 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
     auto grad = grads[0].to(at::kFloat);
     auto prefix_grad = (grad * prefix_share).to(q.scalar_type());
     auto own_grad = (grad * own_share).to(q.scalar_type());
-    auto [dq_prefix, dpk, dpv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-        fold(prefix_grad, kv_heads, sequences), folded_q, pk, pv, fold(out, kv_heads, sequences), prefix_lse, 0.0,
-        false, prefix_mask);
+    at::Tensor dq_prefix, dpk, dpv;
+    if (ctx->saved_data["prefix_kernel"].toBool()) {
+      std::optional<at::Tensor> bias;
+      if (prefix_mask) bias = prefix_mask->select(0, 0);
+      std::tie(dq_prefix, dpk, dpv) = prefix_attention_bf16_backward(
+          fold(prefix_grad, kv_heads, sequences), folded_q, pk.select(0, 0), pv.select(0, 0),
+          kernel_bias(bias, kv_heads), fold(out, kv_heads, sequences), prefix_lse);
+    } else {
+      std::tie(dq_prefix, dpk, dpv) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+          fold(prefix_grad, kv_heads, sequences), folded_q, pk, pv, fold(out, kv_heads, sequences), prefix_lse, 0.0,
+          false, prefix_mask);
+      dpk = dpk.sum(0), dpv = dpv.sum(0);  // the expanded prefix' gradients, per sequence
+    }
     auto [dq_own, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
         own_grad, q, own_k, own_v, out, own_lse, 0.0, own_causal, mask);
     if (groups > 1) {
       dk = dk.reshape({B, kv_heads, groups, T, D}).sum(2);
       dv = dv.reshape({B, kv_heads, groups, T, D}).sum(2);
     }
-    return {unfold(dq_prefix, B, S) + dq_own, dk, dv, dpk.sum(0), dpv.sum(0),
+    return {unfold(dq_prefix, B, S) + dq_own, dk, dv, dpk, dpv,
             at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
