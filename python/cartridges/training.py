@@ -21,6 +21,7 @@ from .selfstudy.config import CORE_TRAINING_FIELDS, INITS_FROM_CORPUS
 from .selfstudy.checkpoint import ConversationLog
 from .selfstudy.prompts import UNRELATED_TEXT
 from .selfstudy.chunking import part_of
+from .selfstudy.precision import multiplies_bfloat16_natively, resolved_training_dtype
 from .selfstudy.synthesize import fitting, signal_by_part
 
 
@@ -251,28 +252,6 @@ def _load_datasets(path: Path) -> Datasets:
                     cartridges_core.TrainingData(**held) if held is not None else None,
                     signal.tolist() if signal is not None else None,
                     parts.tolist() if parts is not None else None)
-
-
-def multiplies_bfloat16_natively(device: str) -> bool:
-    """Whether `device` has bfloat16 matrix instructions: a CPU with AVX-512 BF16 or AMX (read
-    from Linux's /proc/cpuinfo; False where it cannot be read), a CUDA GPU from compute
-    capability 8.0."""
-    if device.startswith("cuda"):
-        return torch.cuda.is_available() and torch.cuda.get_device_capability(torch.device(device))[0] >= 8
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolved_training_dtype(native: cartridges_core.LlamaModel, training_dtype: str) -> str:
-    """`TrainConfig.training_dtype` with "auto" decided for `native`: "bfloat16" for a float32
-    model on a device that multiplies bfloat16 natively, "model" otherwise."""
-    if training_dtype != "auto":
-        return training_dtype
-    return "bfloat16" if native.dtype == "float32" and multiplies_bfloat16_natively(native.device) else "model"
 
 
 def decided_config(config: TrainConfig, corpus_tokens: int, native: cartridges_core.LlamaModel) -> TrainConfig:

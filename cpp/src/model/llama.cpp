@@ -284,7 +284,8 @@ at::Tensor LlamaModel::forward_hidden(const ForwardBatch& batch, KVCache* cache)
       keys = ck.narrow(2, 0, total);
       values = cv.narrow(2, 0, total);
     }
-    auto attn = ops::attention(q, keys, values, mask, batch.prefixes, l, shared, own_causal);  // [B, H, S, D]
+    auto attn = ops::attention(q, keys, values, mask, batch.prefixes, l, shared, own_causal,
+                                batch.bfloat16_prefix_attention);  // [B, H, S, D]
     x = x + apply(layer.o, attn.transpose(1, 2).reshape({B, S, H * D}));
 
     x = x + mlp(layer, x);

@@ -49,7 +49,7 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& prefix_keys, const at::Tensor& prefix_values,
                             const std::optional<at::Tensor>& own_mask, bool own_causal,
-                            const std::optional<at::Tensor>& prefix_mask) {
+                            const std::optional<at::Tensor>& prefix_mask, bool bfloat16_prefix) {
     const auto B = q.size(0), H = q.size(1), S = q.size(2);
     const auto kv_heads = k.size(1), groups = H / kv_heads;
     // One sequence per KV head when the threads divide the heads evenly, else one per row and head.
@@ -60,10 +60,13 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
     std::optional<at::Tensor> pmask;
     if (prefix_mask) pmask = prefix_mask->expand({sequences, -1, -1, -1});
     at::Tensor prefix_out, prefix_lse;
-    const bool prefix_kernel = q.scalar_type() == at::kBFloat16 && prefix_attention_bf16_supported(q.size(3));
+    const bool prefix_kernel =
+        (q.scalar_type() == at::kBFloat16 || bfloat16_prefix) && prefix_attention_bf16_supported(q.size(3));
     if (prefix_kernel) {
       std::tie(prefix_out, prefix_lse) =
-          prefix_attention_bf16(folded_q, prefix_keys, prefix_values, kernel_bias(prefix_mask, kv_heads));
+          prefix_attention_bf16(folded_q.to(at::kBFloat16), prefix_keys.to(at::kBFloat16),
+                                prefix_values.to(at::kBFloat16), kernel_bias(prefix_mask, kv_heads));
+      prefix_out = prefix_out.to(q.scalar_type());
     } else {
       std::tie(prefix_out, prefix_lse) =
           at::_scaled_dot_product_flash_attention_for_cpu(folded_q, pk, pv, 0.0, false, pmask);
@@ -130,7 +133,7 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
       dv = dv.reshape({B, kv_heads, groups, T, D}).sum(2);
     }
     return {unfold(dq_prefix, B, S) + dq_own, dk, dv, dpk, dpv,
-            at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -138,7 +141,7 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
 
 at::Tensor split_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& own_mask, bool own_causal, const at::Tensor& prefix_keys,
-                               const at::Tensor& prefix_values, const at::Tensor& prefix_bias) {
+                               const at::Tensor& prefix_values, const at::Tensor& prefix_bias, bool bfloat16_prefix) {
   TORCH_CHECK(q.device().is_cpu(), "split_attention_cpu: tensors must be on CPU");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && prefix_keys.dim() == 3 && q.size(1) % k.size(1) == 0,
               "split_attention_cpu: q [B, H, S, D], k [B, H_kv, T, D] and prefix keys [H_kv, P, D]");
@@ -149,8 +152,11 @@ at::Tensor split_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   if (prefix_bias.defined()) {
     prefix_mask = prefix_bias.to(dtype).view({1, prefix_bias.size(0), 1, prefix_bias.size(1)});
   }
+  // bfloat16 for a float32 q only without gradients: the backward takes q's dtype.
+  const bool wants_grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                                                         prefix_keys.requires_grad() || prefix_values.requires_grad());
   return SplitAttention::apply(q, k, v, prefix_keys.to(dtype), prefix_values.to(dtype), mask, own_causal,
-                               prefix_mask);
+                               prefix_mask, bfloat16_prefix && !wants_grad);
 }
 
 }  // namespace cartridges::ops

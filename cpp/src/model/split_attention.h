@@ -24,9 +24,12 @@ namespace cartridges::ops {
 // scaled scores on the prefix's keys. The own keys are seen under `own_mask` [B, 1, S, T]
 // (additive, q's dtype), or when `own_causal` (S == T, no cached past) by position, and the mask
 // is not read. Differentiable in q, k, v and the prefix's keys and values. Returns
-// [B, H, S, D] in q's dtype.
+// [B, H, S, D] in q's dtype. The prefix part runs in prefix_attention_bf16.h's kernel where the
+// CPU has it: for bfloat16 q always, for float32 q with `bfloat16_prefix` and no gradient
+// wanted (its inputs then rounded to bfloat16, its output back to float32).
 at::Tensor split_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& own_mask, bool own_causal, const at::Tensor& prefix_keys,
-                               const at::Tensor& prefix_values, const at::Tensor& prefix_bias);
+                               const at::Tensor& prefix_values, const at::Tensor& prefix_bias,
+                               bool bfloat16_prefix = false);
 
 }  // namespace cartridges::ops

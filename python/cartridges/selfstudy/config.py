@@ -284,7 +284,8 @@ class TrainConfig(BaseModel):
     natively (a CPU with AVX-512 BF16 or AMX, a CUDA GPU from compute capability 8.0) and
     "model" anywhere else (`cartridges.training.resolved_training_dtype`; the cartridge records
     the one used). The cartridge's values and Adam's state stay float32 either way, and
-    synthesis and the quality report run on the model itself. On a CPU with AVX-512 BF16 a
+    synthesis and the quality report run on the model itself (in bfloat16 training, the
+    teacher's attention over its window runs in bfloat16 too where the CPU has AVX-512 BF16). On a CPU with AVX-512 BF16 a
     bfloat16 step takes about 0.7x the float32 one (benchmarks/README.md, "Training step"), and
     the cartridges it trained scored as the float32 ones on the documents measured
     (docs/experiments.md, "Does training in bfloat16 keep a cartridge's quality?"); without
