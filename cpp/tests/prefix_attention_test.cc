@@ -27,8 +27,10 @@ std::pair<at::Tensor, at::Tensor> reference(const at::Tensor& q, const at::Tenso
   return {at::matmul(at::softmax(scores, -1), values.to(at::kFloat).unsqueeze(0)), lse};
 }
 
+// |got - want| / |want|, or |got - want| where want is 0 (one key: the query's gradient).
 double relative_error(const at::Tensor& got, const at::Tensor& want) {
-  return (got.to(at::kFloat) - want).norm().item<double>() / want.norm().item<double>();
+  const double error = (got.to(at::kFloat) - want).norm().item<double>(), size = want.norm().item<double>();
+  return size > 0 ? error / size : error;
 }
 
 }  // namespace
@@ -161,4 +163,32 @@ TEST(PrefixAttentionBf16Test, Float32QueriesAskingForBfloat16) {
   EXPECT_LT(relative_error(rounded, exact), 8e-3);
   q.requires_grad_();
   EXPECT_TRUE(at::equal(ops::split_attention_cpu(q, k, v, at::Tensor(), true, pk, pv, bias, true), exact));
+}
+
+// The causal kernel (each sequence's queries, heads folded per KV head, over its own keys)
+// against the float32 reference, forward and backward, at lengths that are not whole tiles.
+TEST(PrefixAttentionBf16Test, CausalMatchesFloat32Reference) {
+  if (!ops::prefix_attention_bf16_supported(64)) GTEST_SKIP() << "no AVX-512 BF16 on this CPU";
+  at::manual_seed(5);
+  for (int64_t T : {1, 37, 130}) {
+    const int64_t N = 2, Hkv = 3, G = 3, D = 64;
+    auto q = at::randn({N, Hkv, G * T, D}).to(at::kBFloat16);
+    auto keys = at::randn({N, Hkv, T, D}).to(at::kBFloat16), values = at::randn({N, Hkv, T, D}).to(at::kBFloat16);
+    auto grad = at::randn({N, Hkv, G * T, D}).to(at::kBFloat16);
+    auto [out, lse] = ops::causal_attention_bf16(q, keys, values);
+    auto [dq, dk, dv] = ops::causal_attention_bf16_backward(grad, q, keys, values, out, lse);
+
+    auto qf = q.to(at::kFloat).requires_grad_(), kf = keys.to(at::kFloat).requires_grad_();
+    auto vf = values.to(at::kFloat).requires_grad_();
+    auto position = at::arange(T).repeat({G});  // query row g * T + i is at position i
+    auto hidden = at::arange(T).unsqueeze(0) > position.unsqueeze(1);
+    auto scores = at::matmul(qf, kf.transpose(2, 3)) / 8.0;
+    scores = scores.masked_fill(hidden, -std::numeric_limits<float>::infinity());
+    auto want_out = at::matmul(at::softmax(scores, -1), vf);
+    EXPECT_LT(relative_error(out, want_out.detach()), 8e-3) << "T " << T;
+    EXPECT_TRUE(at::allclose(lse, at::logsumexp(scores, -1).detach(), 1e-4, 1e-4)) << "T " << T;
+    auto want = torch::autograd::grad({(want_out * grad.to(at::kFloat)).sum()}, {qf, kf, vf});
+    const at::Tensor got[] = {dq, dk, dv};
+    for (int i = 0; i < 3; ++i) EXPECT_LT(relative_error(got[i], want[i]), 8e-3) << "T " << T << ", gradient " << i;
+  }
 }

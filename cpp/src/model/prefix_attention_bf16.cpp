@@ -102,6 +102,14 @@ CARTRIDGES_AVX512_BF16 void add_products(const uint16_t* w, int64_t rows, int64_
   }
 }
 
+// x with -inf where the key (tile_start + lane) is past `limit` (a causal row's last key).
+CARTRIDGES_AVX512_BF16 inline __m512 hide_keys_past(__m512 x, int64_t tile_start, int64_t limit) {
+  const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(tile_start)),
+                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __mmask16 past = _mm512_cmpgt_epi32_mask(keys, _mm512_set1_epi32(static_cast<int32_t>(limit)));
+  return _mm512_mask_mov_ps(x, past, _mm512_set1_ps(kNegInf));
+}
+
 CARTRIDGES_AVX512_BF16 inline void store_bf16(uint16_t* dst, __m512 x) {
   const __m256bh h = _mm512_cvtneps_pbh(x);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<const __m256i&>(h));
@@ -144,11 +152,17 @@ struct PackedPrefix {
   int64_t tiles;
 };
 
+// Per query row, the last key it sees (causal attention), or none: every key.
+struct KeyLimits {
+  int64_t last[kRows];
+  int64_t tiles;  // tiles holding a key any row sees
+};
+
 // The forward of one task: `rows` (<= kRows) queries q [rows, D] of one KV head against its
-// whole prefix. Writes out [rows, D] and lse [rows].
+// keys (all, or up to `limits`). Writes out [rows, D] and lse [rows].
 template <int64_t D>
-CARTRIDGES_AVX512_BF16 void attend_rows(const uint16_t* q, int64_t rows, const PackedPrefix& prefix, float scale,
-                                        uint16_t* out, float* lse) {
+CARTRIDGES_AVX512_BF16 void attend_rows(const uint16_t* q, int64_t rows, const PackedPrefix& prefix,
+                                        const KeyLimits* limits, float scale, uint16_t* out, float* lse) {
   constexpr int64_t kChunks = D / 16;
   alignas(64) uint16_t qbuf[kRows * D];
   alignas(64) float scores[kRows * kTile];
@@ -160,7 +174,8 @@ CARTRIDGES_AVX512_BF16 void attend_rows(const uint16_t* q, int64_t rows, const P
   for (int64_t r = 0; r < kRows; ++r) row_max[r] = kNegInf, row_sum[r] = 0.f;
   const __m512 vscale = _mm512_set1_ps(scale);
 
-  for (int64_t t = 0; t < prefix.tiles; ++t) {
+  const int64_t tiles = limits ? limits->tiles : prefix.tiles;
+  for (int64_t t = 0; t < tiles; ++t) {
     dot_tile<D>(qbuf, prefix.keys + t * kTile * D, scores);
     // Online softmax: each row's running maximum and sum, the tile's probabilities in bfloat16,
     // the output so far rescaled to the new maximum.
@@ -168,7 +183,10 @@ CARTRIDGES_AVX512_BF16 void attend_rows(const uint16_t* q, int64_t rows, const P
     for (int64_t r = 0; r < kRows; ++r) {
       const float* s = scores + r * kTile;
       __m512 v[4];
-      for (int b = 0; b < 4; ++b) v[b] = _mm512_fmadd_ps(_mm512_load_ps(s + b * 16), vscale, _mm512_loadu_ps(bt + b * 16));
+      for (int b = 0; b < 4; ++b) {
+        v[b] = _mm512_fmadd_ps(_mm512_load_ps(s + b * 16), vscale, _mm512_loadu_ps(bt + b * 16));
+        if (limits) v[b] = hide_keys_past(v[b], t * kTile + b * 16, limits->last[r]);
+      }
       const float tile_max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(v[0], v[1]), _mm512_max_ps(v[2], v[3])));
       const float new_max = std::max(row_max[r], tile_max);
       uint16_t* pr = probs + r * kTile;
@@ -209,7 +227,8 @@ CARTRIDGES_AVX512_BF16 void attend_rows(const uint16_t* q, int64_t rows, const P
 template <int64_t D>
 CARTRIDGES_AVX512_BF16 void attend_rows_backward(const uint16_t* q, const uint16_t* grad, const uint16_t* out,
                                                  const float* lse, int64_t rows, const PackedPrefix& prefix,
-                                                 float scale, uint16_t* dq, float* dk, float* dv) {
+                                                 const KeyLimits* limits, float scale, uint16_t* dq, float* dk,
+                                                 float* dv) {
   constexpr int64_t kChunks = D / 16;
   alignas(64) uint16_t qbuf[kRows * D], gbuf[kRows * D], q_pairs[kRows * D], g_pairs[kRows * D];
   alignas(64) float scores[kRows * kTile], dp[kRows * kTile], acc_dq[kRows * D];
@@ -230,7 +249,8 @@ CARTRIDGES_AVX512_BF16 void attend_rows_backward(const uint16_t* q, const uint16
     row_delta[r] = _mm512_reduce_add_ps(sum);
   }
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t t = 0; t < prefix.tiles; ++t) {
+  const int64_t tiles = limits ? limits->tiles : prefix.tiles;
+  for (int64_t t = 0; t < tiles; ++t) {
     dot_tile<D>(qbuf, prefix.keys + t * kTile * D, scores);
     dot_tile<D>(gbuf, prefix.values_tiled + t * kTile * D, dp);
     const float* bt = prefix.bias + t * kTile;
@@ -238,7 +258,8 @@ CARTRIDGES_AVX512_BF16 void attend_rows_backward(const uint16_t* q, const uint16
       const __m512 shift = _mm512_set1_ps(row_lse[r]), delta = _mm512_set1_ps(row_delta[r]);
       for (int b = 0; b < 4; ++b) {
         const int64_t at = r * kTile + b * 16;
-        const __m512 s = _mm512_fmadd_ps(_mm512_load_ps(scores + at), vscale, _mm512_loadu_ps(bt + b * 16));
+        __m512 s = _mm512_fmadd_ps(_mm512_load_ps(scores + at), vscale, _mm512_loadu_ps(bt + b * 16));
+        if (limits) s = hide_keys_past(s, t * kTile + b * 16, limits->last[r]);
         const __m512 p = exp_nonpositive(_mm512_sub_ps(s, shift));
         store_bf16(probs + at, p);
         store_bf16(ds + at, _mm512_mul_ps(p, _mm512_sub_ps(_mm512_load_ps(dp + at), delta)));
@@ -298,8 +319,20 @@ struct Packed {
   }
 };
 
+// Which keys a task's rows see: all (period 0), or causally, the row at position (row0 + r) mod
+// period the keys up to it.
+const KeyLimits* key_limits(int64_t period, int64_t row0, KeyLimits& limits) {
+  if (period == 0) return nullptr;
+  int64_t most = 0;
+  for (int64_t r = 0; r < kRows; ++r) most = std::max(most, limits.last[r] = (row0 + r) % period);
+  limits.tiles = most / kTile + 1;
+  return &limits;
+}
+
+// q [N, H_kv, L, D]; `packed` holds H_kv heads of keys every sequence shares, or N * H_kv.
 template <int64_t D>
-void run_forward(const at::Tensor& q, const Packed& packed, at::Tensor& out, at::Tensor& lse) {
+void run_forward(const at::Tensor& q, const Packed& packed, bool shared, int64_t period, at::Tensor& out,
+                 at::Tensor& lse) {
   const auto sequences = q.size(0), heads = q.size(1), len = q.size(2);
   const auto* qp = bits(q);
   auto* op = mutable_bits(out);
@@ -307,41 +340,82 @@ void run_forward(const at::Tensor& q, const Packed& packed, at::Tensor& out, at:
   const int64_t blocks = (len + kRows - 1) / kRows;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   at::parallel_for(0, sequences * heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    KeyLimits limits;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task % blocks, sh = task / blocks, row0 = block * kRows;
-      attend_rows<D>(qp + (sh * len + row0) * D, std::min(kRows, len - row0), packed.head(sh % heads, D), scale,
-                     op + (sh * len + row0) * D, lp + sh * len + row0);
+      attend_rows<D>(qp + (sh * len + row0) * D, std::min(kRows, len - row0), packed.head(shared ? sh % heads : sh, D),
+                     key_limits(period, row0, limits), scale, op + (sh * len + row0) * D, lp + sh * len + row0);
     }
   });
 }
 
+// dk, dv shaped as the keys given (H_kv heads shared, or N * H_kv).
 template <int64_t D>
 void run_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse,
-                  const Packed& packed, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+                  const Packed& packed, bool shared, int64_t period, at::Tensor& dq, at::Tensor& dk,
+                  at::Tensor& dv) {
   const auto sequences = q.size(0), heads = q.size(1), len = q.size(2);
   const int64_t blocks = (len + kRows - 1) / kRows, head_size = packed.padded * D;
+  const int64_t key_heads = packed.keys.size(0);
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   // dk and dv summed over every query: one float32 copy per thread, added up after.
   const int threads = at::get_num_threads();
-  auto dk_parts = at::zeros({threads, heads, packed.padded, D}, at::kFloat);
-  auto dv_parts = at::zeros({threads, heads, packed.padded, D}, at::kFloat);
+  auto dk_parts = at::zeros({threads, key_heads, packed.padded, D}, at::kFloat);
+  auto dv_parts = at::zeros({threads, key_heads, packed.padded, D}, at::kFloat);
   const auto *gp = bits(grad), *qp = bits(q), *op = bits(out);
   const float* lp = lse.data_ptr<float>();
   auto* dqp = mutable_bits(dq);
   float *dkp = dk_parts.data_ptr<float>(), *dvp = dv_parts.data_ptr<float>();
   at::parallel_for(0, sequences * heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    const int64_t part = at::get_thread_num() * heads * head_size;
+    const int64_t part = at::get_thread_num() * key_heads * head_size;
+    KeyLimits limits;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t block = task % blocks, sh = task / blocks, head = sh % heads, row0 = block * kRows;
+      const int64_t block = task % blocks, sh = task / blocks, head = shared ? sh % heads : sh, row0 = block * kRows;
       const int64_t at_row = (sh * len + row0) * D;
       attend_rows_backward<D>(qp + at_row, gp + at_row, op + at_row, lp + sh * len + row0,
-                              std::min(kRows, len - row0), packed.head(head, D), scale, dqp + at_row,
-                              dkp + part + head * head_size, dvp + part + head * head_size);
+                              std::min(kRows, len - row0), packed.head(head, D), key_limits(period, row0, limits),
+                              scale, dqp + at_row, dkp + part + head * head_size, dvp + part + head * head_size);
     }
   });
-  const auto prefix_len = dk.size(1);
-  dk.copy_(dk_parts.sum(0).narrow(1, 0, prefix_len).mul_(scale));
-  dv.copy_(dv_parts.sum(0).narrow(1, 0, prefix_len));
+  const auto key_len = dk.size(-2);
+  dk.copy_(dk_parts.sum(0).narrow(1, 0, key_len).mul_(scale).view(dk.sizes()));
+  dv.copy_(dv_parts.sum(0).narrow(1, 0, key_len).view(dv.sizes()));
+}
+
+// The forward and backward for keys [K, T, D] (K = H_kv shared, or N * H_kv).
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                           const at::Tensor& bias, bool shared, int64_t period) {
+  auto out = at::empty(q.sizes(), q.options());
+  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  if (q.numel() == 0) return {out, lse};
+  const Packed packed(keys, values, bias.defined() ? bias.contiguous() : bias, /*backward=*/false);
+  if (q.size(3) == 64) {
+    run_forward<64>(q.contiguous(), packed, shared, period, out, lse);
+  } else {
+    run_forward<128>(q.contiguous(), packed, shared, period, out, lse);
+  }
+  return {out, lse};
+}
+
+void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+              const at::Tensor& bias, const at::Tensor& out, const at::Tensor& lse, bool shared, int64_t period,
+              at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  TORCH_CHECK(grad.sizes() == q.sizes() && out.sizes() == q.sizes() && grad.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16 && lse.scalar_type() == at::kFloat && lse.dim() == 3 &&
+                  lse.numel() == q.numel() / q.size(3),
+              "bfloat16 attention backward: grad and out as q, lse float32 [N, H_kv, L]");
+  if (q.numel() == 0) {
+    dk.zero_(), dv.zero_();
+    return;
+  }
+  const Packed packed(keys, values, bias.defined() ? bias.contiguous() : bias, /*backward=*/true);
+  if (q.size(3) == 64) {
+    run_backward<64>(grad.contiguous(), q.contiguous(), out.contiguous(), lse.contiguous(), packed, shared, period, dq,
+                     dk, dv);
+  } else {
+    run_backward<128>(grad.contiguous(), q.contiguous(), out.contiguous(), lse.contiguous(), packed, shared, period,
+                      dq, dk, dv);
+  }
 }
 
 void check_inputs(const char* what, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
@@ -371,35 +445,45 @@ bool allow_prefix_attention_bf16_for_testing(bool allowed) { return kernel_allow
 std::tuple<at::Tensor, at::Tensor> prefix_attention_bf16(const at::Tensor& q, const at::Tensor& keys,
                                                          const at::Tensor& values, const at::Tensor& bias) {
   check_inputs("prefix_attention_bf16", q, keys, values, bias);
-  auto out = at::empty(q.sizes(), q.options());
-  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
-  if (q.numel() == 0) return {out, lse};
-  const Packed packed(keys, values, bias.defined() ? bias.contiguous() : bias, /*backward=*/false);
-  if (q.size(3) == 64) {
-    run_forward<64>(q.contiguous(), packed, out, lse);
-  } else {
-    run_forward<128>(q.contiguous(), packed, out, lse);
-  }
-  return {out, lse};
+  return forward(q, keys, values, bias, /*shared=*/true, /*period=*/0);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> prefix_attention_bf16_backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
     const at::Tensor& bias, const at::Tensor& out, const at::Tensor& lse) {
   check_inputs("prefix_attention_bf16_backward", q, keys, values, bias);
-  TORCH_CHECK(grad.sizes() == q.sizes() && out.sizes() == q.sizes() && grad.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16 && lse.scalar_type() == at::kFloat &&
-                  lse.dim() == 3 && lse.numel() == q.numel() / q.size(3),
-              "prefix_attention_bf16_backward: grad and out as q, lse float32 [N, H_kv, L]");
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::empty(keys.sizes(), keys.options()), dv = at::empty(values.sizes(), values.options());
-  if (q.numel() == 0) return {dq, dk.zero_(), dv.zero_()};
-  const Packed packed(keys, values, bias.defined() ? bias.contiguous() : bias, /*backward=*/true);
-  if (q.size(3) == 64) {
-    run_backward<64>(grad.contiguous(), q.contiguous(), out.contiguous(), lse.contiguous(), packed, dq, dk, dv);
-  } else {
-    run_backward<128>(grad.contiguous(), q.contiguous(), out.contiguous(), lse.contiguous(), packed, dq, dk, dv);
-  }
+  backward(grad, q, keys, values, bias, out, lse, /*shared=*/true, /*period=*/0, dq, dk, dv);
+  return {dq, dk, dv};
+}
+
+namespace {
+
+void check_causal(const char* what, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
+  TORCH_CHECK(keys.dim() == 4 && keys.size(0) == q.size(0), what, ": keys and values [N, H_kv, T, D]");
+  check_inputs(what, q, keys[0], values[0], at::Tensor());
+  TORCH_CHECK(keys.size(2) > 0 && q.size(2) % keys.size(2) == 0, what, ": q's rows a whole number of T");
+}
+
+at::Tensor flat_heads(const at::Tensor& t) { return t.reshape({-1, t.size(2), t.size(3)}); }
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> causal_attention_bf16(const at::Tensor& q, const at::Tensor& keys,
+                                                         const at::Tensor& values) {
+  check_causal("causal_attention_bf16", q, keys, values);
+  return forward(q, flat_heads(keys), flat_heads(values), at::Tensor(), /*shared=*/false, keys.size(2));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_bf16_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& out, const at::Tensor& lse) {
+  check_causal("causal_attention_bf16_backward", q, keys, values);
+  auto dq = at::empty(q.sizes(), q.options());
+  auto dk = at::empty(keys.sizes(), keys.options()), dv = at::empty(values.sizes(), values.options());
+  backward(grad, q, flat_heads(keys), flat_heads(values), at::Tensor(), out, lse, /*shared=*/false, keys.size(2), dq,
+           dk, dv);
   return {dq, dk, dv};
 }
 

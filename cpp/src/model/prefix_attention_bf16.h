@@ -37,6 +37,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prefix_attention_bf16_backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
     const at::Tensor& bias, const at::Tensor& out, const at::Tensor& lse);
 
+// Each sequence's causal attention over its own keys, in the layout split attention folds its
+// queries to: q [N, H_kv, G * T, D] (the G query heads of a KV head, T positions each), keys
+// and values [N, H_kv, T, D]; the query at row g * T + i sees keys 0..i. Returns the output and
+// log-sum-exp as prefix_attention_bf16 does.
+std::tuple<at::Tensor, at::Tensor> causal_attention_bf16(const at::Tensor& q, const at::Tensor& keys,
+                                                         const at::Tensor& values);
+// Its backward: dq as q, dk and dv [N, H_kv, T, D].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_bf16_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& out, const at::Tensor& lse);
+
 // Whether split attention may use the kernel (the default); returns the previous setting. For
 // tests comparing it with ATen's fused attention.
 bool allow_prefix_attention_bf16_for_testing(bool allowed);

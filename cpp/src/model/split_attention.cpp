@@ -71,9 +71,19 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
       std::tie(prefix_out, prefix_lse) =
           at::_scaled_dot_product_flash_attention_for_cpu(folded_q, pk, pv, 0.0, false, pmask);
     }
-    auto own_k = groups == 1 ? k : k.repeat_interleave(groups, 1);
-    auto own_v = groups == 1 ? v : v.repeat_interleave(groups, 1);
-    auto [own_out, own_lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, own_k, own_v, 0.0, own_causal, own_mask);
+    // The own part: the kernel for causal rows in bfloat16 (each row's query heads folded per KV
+    // head, as the prefix part's are), else ATen's fused attention over keys repeated per head.
+    const bool own_kernel = own_causal && q.scalar_type() == at::kBFloat16 && prefix_attention_bf16_supported(q.size(3));
+    at::Tensor own_k, own_v, own_out, own_lse;
+    if (own_kernel) {
+      own_k = k.contiguous(), own_v = v.contiguous();
+      auto [folded_out, folded_lse] = causal_attention_bf16(fold(q, kv_heads, B), own_k, own_v);
+      own_out = unfold(folded_out, B, S), own_lse = unfold_lse(folded_lse, B, S);
+    } else {
+      own_k = groups == 1 ? k : k.repeat_interleave(groups, 1);
+      own_v = groups == 1 ? v : v.repeat_interleave(groups, 1);
+      std::tie(own_out, own_lse) = at::_scaled_dot_product_flash_attention_for_cpu(q, own_k, own_v, 0.0, own_causal, own_mask);
+    }
 
     // Each part's share of the softmax mass, per query.
     auto prefix_lse_rows = unfold_lse(prefix_lse, B, S);
@@ -91,6 +101,7 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
     ctx->saved_data["kv_heads"] = kv_heads;
     ctx->saved_data["sequences"] = sequences;
     ctx->saved_data["prefix_kernel"] = prefix_kernel;
+    ctx->saved_data["own_kernel"] = own_kernel;
     return out;
   }
 
@@ -126,11 +137,19 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
           false, prefix_mask);
       dpk = dpk.sum(0), dpv = dpv.sum(0);  // the expanded prefix' gradients, per sequence
     }
-    auto [dq_own, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-        own_grad, q, own_k, own_v, out, own_lse, 0.0, own_causal, mask);
-    if (groups > 1) {
-      dk = dk.reshape({B, kv_heads, groups, T, D}).sum(2);
-      dv = dv.reshape({B, kv_heads, groups, T, D}).sum(2);
+    at::Tensor dq_own, dk, dv;
+    if (ctx->saved_data["own_kernel"].toBool()) {
+      auto fold_lse = [&](const at::Tensor& l) { return fold(l.unsqueeze(-1), kv_heads, B).squeeze(-1); };
+      std::tie(dq_own, dk, dv) = causal_attention_bf16_backward(fold(own_grad, kv_heads, B), fold(q, kv_heads, B),
+                                                                own_k, own_v, fold(out, kv_heads, B), fold_lse(own_lse));
+      dq_own = unfold(dq_own, B, S);
+    } else {
+      std::tie(dq_own, dk, dv) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+          own_grad, q, own_k, own_v, out, own_lse, 0.0, own_causal, mask);
+      if (groups > 1) {
+        dk = dk.reshape({B, kv_heads, groups, T, D}).sum(2);
+        dv = dv.reshape({B, kv_heads, groups, T, D}).sum(2);
+      }
     }
     return {unfold(dq_prefix, B, S) + dq_own, dk, dv, dpk, dpv,
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
