@@ -1,7 +1,8 @@
-// The bfloat16 prefix-attention kernel (cpp/src/model/prefix_attention_bf16.cpp) against ATen's
-// fused CPU attention on the same inputs, forward and backward, on the shapes of a training step and of
-// synthesis' scoring behind a teacher's window. Both get the folded layout split attention
-// gives them: one sequence per KV head, the query heads and rows of a KV head in it.
+// The bfloat16 attention kernels (cpp/src/model/prefix_attention_bf16.cpp) against ATen's
+// fused CPU attention on the same inputs, forward and backward: over a prefix on the shapes of
+// a training step and of synthesis' scoring behind a teacher's window, and each row's own keys,
+// causal, on a training step's. Over a prefix both get the layout split attention gives them:
+// one sequence per KV head, the query heads and rows of a KV head in it.
 //
 //     build/py/bench_prefix_attention [threads=2]
 //
@@ -78,6 +79,31 @@ int main(int argc, char** argv) {
     std::printf("%-44s backward  ATen %7.2f ms %6.1f GMAC/s   kernel %7.2f ms %6.1f GMAC/s   %.2fx\n", "",
                 aten_back, 2.5 * macs / aten_back / 1e6, kernel_back, 2.5 * macs / kernel_back / 1e6,
                 aten_back / kernel_back);
+  }
+  // Each row's own keys, causal: ATen's fused attention over the keys repeated per query head
+  // (as split attention gave it), the kernel over each KV head's keys with its query heads folded.
+  std::printf("own keys, causal, forward and backward\n");
+  for (const int64_t tokens : {180, 320}) {
+    const int64_t rows = 4, groups = kHeads / kKvHeads;
+    auto q = at::randn({rows, kHeads, tokens, kDim}).to(at::kBFloat16);
+    auto k = at::randn({rows, kKvHeads, tokens, kDim}).to(at::kBFloat16);
+    auto v = at::randn({rows, kKvHeads, tokens, kDim}).to(at::kBFloat16);
+    auto grad = at::randn_like(q);
+    auto k_rep = k.repeat_interleave(groups, 1), v_rep = v.repeat_interleave(groups, 1);
+    auto fold = [&](const at::Tensor& x) {  // [B, H, S, D] -> [B, H_kv, G * S, D]
+      return x.reshape({rows, kKvHeads, groups * tokens, kDim}).contiguous();
+    };
+    auto fq = fold(q), fgrad = fold(grad);
+    const double aten = best_ms(15, [&] {
+      auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k_rep, v_rep, 0.0, true);
+      at::_scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k_rep, v_rep, out, lse, 0.0, true);
+    });
+    const double kernel = best_ms(15, [&] {
+      auto [out, lse] = ops::causal_attention_bf16(fq, k, v);
+      ops::causal_attention_bf16_backward(fgrad, fq, k, v, out, lse);
+    });
+    std::printf("%ld rows x %ld tokens %29s ATen %7.2f ms   kernel %7.2f ms   %.2fx\n", static_cast<long>(rows),
+                static_cast<long>(tokens), "", aten, kernel, aten / kernel);
   }
   return 0;
 }
