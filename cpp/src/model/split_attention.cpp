@@ -71,19 +71,9 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
       std::tie(prefix_out, prefix_lse) =
           at::_scaled_dot_product_flash_attention_for_cpu(folded_q, pk, pv, 0.0, false, pmask);
     }
-    // The own part: the kernel for causal rows in bfloat16 (each row's query heads folded per KV
-    // head, as the prefix part's are), else ATen's fused attention over keys repeated per head.
-    const bool own_kernel = own_causal && q.scalar_type() == at::kBFloat16 && prefix_attention_bf16_supported(q.size(3));
-    at::Tensor own_k, own_v, own_out, own_lse;
-    if (own_kernel) {
-      own_k = k.contiguous(), own_v = v.contiguous();
-      auto [folded_out, folded_lse] = causal_attention_bf16(fold(q, kv_heads, B), own_k, own_v);
-      own_out = unfold(folded_out, B, S), own_lse = unfold_lse(folded_lse, B, S);
-    } else {
-      own_k = groups == 1 ? k : k.repeat_interleave(groups, 1);
-      own_v = groups == 1 ? v : v.repeat_interleave(groups, 1);
-      std::tie(own_out, own_lse) = at::_scaled_dot_product_flash_attention_for_cpu(q, own_k, own_v, 0.0, own_causal, own_mask);
-    }
+    auto own_k = groups == 1 ? k : k.repeat_interleave(groups, 1);
+    auto own_v = groups == 1 ? v : v.repeat_interleave(groups, 1);
+    auto [own_out, own_lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, own_k, own_v, 0.0, own_causal, own_mask);
 
     // Each part's share of the softmax mass, per query.
     auto prefix_lse_rows = unfold_lse(prefix_lse, B, S);
@@ -101,7 +91,6 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
     ctx->saved_data["kv_heads"] = kv_heads;
     ctx->saved_data["sequences"] = sequences;
     ctx->saved_data["prefix_kernel"] = prefix_kernel;
-    ctx->saved_data["own_kernel"] = own_kernel;
     return out;
   }
 
@@ -137,22 +126,55 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
           false, prefix_mask);
       dpk = dpk.sum(0), dpv = dpv.sum(0);  // the expanded prefix' gradients, per sequence
     }
-    at::Tensor dq_own, dk, dv;
-    if (ctx->saved_data["own_kernel"].toBool()) {
-      auto fold_lse = [&](const at::Tensor& l) { return fold(l.unsqueeze(-1), kv_heads, B).squeeze(-1); };
-      std::tie(dq_own, dk, dv) = causal_attention_bf16_backward(fold(own_grad, kv_heads, B), fold(q, kv_heads, B),
-                                                                own_k, own_v, fold(out, kv_heads, B), fold_lse(own_lse));
-      dq_own = unfold(dq_own, B, S);
-    } else {
-      std::tie(dq_own, dk, dv) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-          own_grad, q, own_k, own_v, out, own_lse, 0.0, own_causal, mask);
-      if (groups > 1) {
-        dk = dk.reshape({B, kv_heads, groups, T, D}).sum(2);
-        dv = dv.reshape({B, kv_heads, groups, T, D}).sum(2);
-      }
+    auto [dq_own, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+        own_grad, q, own_k, own_v, out, own_lse, 0.0, own_causal, mask);
+    if (groups > 1) {
+      dk = dk.reshape({B, kv_heads, groups, T, D}).sum(2);
+      dv = dv.reshape({B, kv_heads, groups, T, D}).sum(2);
     }
     return {unfold(dq_prefix, B, S) + dq_own, dk, dv, dpk, dpv,
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Both parts in the bfloat16 kernels (prefix_attention_bf16.h), for bfloat16 q with causal own
+// keys: every tensor stays in the folded layout [B, H_kv, G * S, D] from q's fold to the merged
+// output's unfold, which saves the layout copies SplitAttention makes for ATen.
+struct KernelSplitAttention : public torch::autograd::Function<KernelSplitAttention> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& prefix_keys, const at::Tensor& prefix_values,
+                            const std::optional<at::Tensor>& prefix_bias) {
+    const auto B = q.size(0), S = q.size(2), kv_heads = k.size(1);
+    const auto bias = prefix_bias.value_or(at::Tensor());
+    auto folded_q = fold(q, kv_heads, B);
+    auto own_k = k.contiguous(), own_v = v.contiguous();
+    auto [prefix_out, prefix_lse] = prefix_attention_bf16(folded_q, prefix_keys, prefix_values, bias);
+    auto [own_out, own_lse] = causal_attention_bf16(folded_q, own_k, own_v);
+    auto lse = at::logaddexp(prefix_lse, own_lse);
+    auto prefix_share = (prefix_lse - lse).exp_().unsqueeze(-1);
+    auto own_share = (own_lse - lse).exp_().unsqueeze(-1);
+    auto out = (prefix_out.to(at::kFloat).mul_(prefix_share) + own_out.to(at::kFloat).mul_(own_share))
+                   .to(q.scalar_type());
+    ctx->save_for_backward(
+        {folded_q, own_k, own_v, prefix_keys, prefix_values, out, prefix_lse, own_lse, prefix_share, own_share});
+    ctx->saved_data["bias"] = prefix_bias;
+    return unfold(out, B, S);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &folded_q = saved[0], &own_k = saved[1], &own_v = saved[2], &pk = saved[3], &pv = saved[4];
+    const auto &out = saved[5], &prefix_lse = saved[6], &own_lse = saved[7];
+    const auto &prefix_share = saved[8], &own_share = saved[9];
+    const auto bias = ctx->saved_data["bias"].toOptional<at::Tensor>().value_or(at::Tensor());
+    const auto B = own_k.size(0), kv_heads = own_k.size(1), S = own_k.size(2);
+    // Each part's backward, given its share of the output gradient and the merged output.
+    auto grad = fold(grads[0], kv_heads, B).to(at::kFloat);
+    auto prefix_grad = (grad * prefix_share).to(folded_q.scalar_type());
+    auto own_grad = (grad * own_share).to(folded_q.scalar_type());
+    auto [dq_prefix, dpk, dpv] = prefix_attention_bf16_backward(prefix_grad, folded_q, pk, pv, bias, out, prefix_lse);
+    auto [dq_own, dk, dv] = causal_attention_bf16_backward(own_grad, folded_q, own_k, own_v, out, own_lse);
+    return {unfold(dq_prefix.add_(dq_own), B, S), dk, dv, dpk, dpv, at::Tensor()};
   }
 };
 
@@ -170,6 +192,12 @@ at::Tensor split_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   if (!own_causal) mask = own_mask.to(dtype);
   if (prefix_bias.defined()) {
     prefix_mask = prefix_bias.to(dtype).view({1, prefix_bias.size(0), 1, prefix_bias.size(1)});
+  }
+  if (own_causal && dtype == at::kBFloat16 && prefix_attention_bf16_supported(q.size(3))) {
+    // The kernel's biases: ATen's additive mask would hold them in q's dtype; so do these.
+    std::optional<at::Tensor> bias;
+    if (prefix_bias.defined()) bias = prefix_bias.to(dtype).to(at::kFloat);
+    return KernelSplitAttention::apply(q, k, v, prefix_keys.to(dtype), prefix_values.to(dtype), bias);
   }
   // bfloat16 for a float32 q only without gradients: the backward takes q's dtype.
   const bool wants_grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
