@@ -12,7 +12,8 @@
 // The backward passes each part's fused backward its share of the output gradient and the
 // merged output, which gives the gradients of the whole attention exactly (the ring-attention
 // identity). On a training step's shapes (4 rows of 320 tokens, 1,024 prefix tokens, 9 query
-// and 3 KV heads, bfloat16), forward and backward, it is 1.16x the single fused attention on
+// and 3 KV heads, bfloat16), forward and backward, with ATen's fused attention for both parts,
+// it is 1.16x the single fused attention on
 // one thread and 1.08x on two (each row its own sequence there, for the threads to share).
 
 #include <ATen/ATen.h>
@@ -24,9 +25,10 @@ namespace cartridges::ops {
 // scaled scores on the prefix's keys. The own keys are seen under `own_mask` [B, 1, S, T]
 // (additive, q's dtype), or when `own_causal` (S == T, no cached past) by position, and the mask
 // is not read. Differentiable in q, k, v and the prefix's keys and values. Returns
-// [B, H, S, D] in q's dtype. The prefix part runs in prefix_attention_bf16.h's kernel where the
-// CPU has it: for bfloat16 q always, for float32 q with `bfloat16_prefix` and no gradient
-// wanted (its inputs then rounded to bfloat16, its output back to float32).
+// [B, H, S, D] in q's dtype. Where the CPU has AVX-512 BF16 (prefix_attention_bf16.h): bfloat16 q
+// with causal own keys runs both parts in its kernels; the prefix part alone runs there for
+// other bfloat16 q, and for float32 q with `bfloat16_prefix` and no gradient wanted (its inputs
+// then rounded to bfloat16, its output back to float32).
 at::Tensor split_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& own_mask, bool own_causal, const at::Tensor& prefix_keys,
                                const at::Tensor& prefix_values, const at::Tensor& prefix_bias,
