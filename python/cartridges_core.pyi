@@ -621,9 +621,9 @@ class LlamaModel:
         """
         Logits [B, S, V] (or [B, V] at each row's last token with last_only) for tokens [B, S].
         """
-    def forward_hidden(self, tokens: torch.Tensor, num_new: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None = None, cache: KVCache = None, prefixes: collections.abc.Sequence[collections.abc.Sequence[KVPrefix]] | None = None, bfloat16_prefix_attention: bool = False) -> torch.Tensor:
+    def forward_hidden(self, tokens: torch.Tensor, num_new: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None = None, cache: KVCache = None, prefixes: collections.abc.Sequence[collections.abc.Sequence[KVPrefix]] | None = None, bfloat16_attention: bool = False) -> torch.Tensor:
         """
-        The last layer's hidden states [B, S, hidden] for tokens [B, S]. With bfloat16_prefix_attention, a float32 model's attention over the prefixes runs in bfloat16 where the CPU has AVX-512 BF16 (about 3x faster; no gradients).
+        The last layer's hidden states [B, S, hidden] for tokens [B, S]. With bfloat16_attention, a float32 model's attention behind the prefixes runs in bfloat16 where the CPU has AVX-512 BF16 (3-6x faster; no gradients).
         """
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         ...

@@ -127,18 +127,18 @@ void bind_llama_model(py::module_& m) {
       .def(
           "forward_hidden",
           [](const LlamaModel& m, const at::Tensor& tokens, std::optional<std::vector<int64_t>> num_new,
-             KVCache* cache, std::optional<std::vector<PyPrefixList>> prefixes, bool bfloat16_prefix_attention) {
+             KVCache* cache, std::optional<std::vector<PyPrefixList>> prefixes, bool bfloat16_attention) {
             auto batch = make_batch(tokens, std::move(num_new), std::move(prefixes));
-            batch.bfloat16_prefix_attention = bfloat16_prefix_attention;
+            batch.bfloat16_attention = bfloat16_attention;
             py::gil_scoped_release release;
             ComputeLock turn;
             return m.forward_hidden(batch, cache);
           },
           py::arg("tokens"), py::arg("num_new") = py::none(), py::arg("cache") = nullptr,
-          py::arg("prefixes") = py::none(), py::arg("bfloat16_prefix_attention") = false,
+          py::arg("prefixes") = py::none(), py::arg("bfloat16_attention") = false,
           "The last layer's hidden states [B, S, hidden] for tokens [B, S]. With "
-          "bfloat16_prefix_attention, a float32 model's attention over the prefixes runs in bfloat16 where "
-          "the CPU has AVX-512 BF16 (about 3x faster; no gradients).")
+          "bfloat16_attention, a float32 model's attention behind the prefixes runs in bfloat16 where "
+          "the CPU has AVX-512 BF16 (3-6x faster; no gradients).")
       .def("logits", &LlamaModel::logits, py::arg("hidden"), py::call_guard<py::gil_scoped_release, ComputeLock>())
       .def(
           "prefix_from_tokens",

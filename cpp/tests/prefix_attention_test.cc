@@ -148,7 +148,7 @@ TEST(PrefixAttentionBf16Test, BackwardMatchesFloat32Reference) {
   }
 }
 
-// A float32 q asking for the bfloat16 prefix part (self-study's teacher): close to the float32
+// A float32 q asking for bfloat16 attention (self-study's teacher): close to the float32
 // attention, and without effect when a gradient is wanted.
 TEST(PrefixAttentionBf16Test, Float32QueriesAskingForBfloat16) {
   if (!ops::prefix_attention_bf16_supported(64)) GTEST_SKIP() << "no AVX-512 BF16 on this CPU";
@@ -157,7 +157,7 @@ TEST(PrefixAttentionBf16Test, Float32QueriesAskingForBfloat16) {
   auto q = at::randn({B, H, S, D}), k = at::randn({B, Hkv, S, D}), v = at::randn({B, Hkv, S, D});
   auto pk = at::randn({Hkv, P, D}), pv = at::randn({Hkv, P, D}), bias = at::randn({Hkv, P});
   auto exact = ops::split_attention_cpu(q, k, v, at::Tensor(), true, pk, pv, bias);
-  auto rounded = ops::split_attention_cpu(q, k, v, at::Tensor(), true, pk, pv, bias, /*bfloat16_prefix=*/true);
+  auto rounded = ops::split_attention_cpu(q, k, v, at::Tensor(), true, pk, pv, bias, /*bfloat16_attention=*/true);
   EXPECT_EQ(rounded.scalar_type(), at::kFloat);
   EXPECT_FALSE(at::equal(rounded, exact));
   EXPECT_LT(relative_error(rounded, exact), 8e-3);

@@ -312,12 +312,12 @@ def test_the_teacher_attends_its_window_in_bfloat16_when_training_is_bfloat16(mo
     """Synthesis asks the core for bfloat16 attention over the teacher's window exactly when
     the cartridge trains in bfloat16; an explicit float32 keeps the teacher float32."""
     bf16 = resolved_training_dtype(model.native, "auto") == "bfloat16"
-    assert Synthesizer(model, small_config()).bfloat16_windows == bf16
-    assert not Synthesizer(model, small_config(training_dtype="float32")).bfloat16_windows
+    assert Synthesizer(model, small_config()).bfloat16_attention == bf16
+    assert not Synthesizer(model, small_config(training_dtype="float32")).bfloat16_attention
 
 
-def test_bfloat16_prefix_attention_stays_close_to_float32():
-    """The default model (head size 64) behind a prefix: with bfloat16_prefix_attention its
+def test_bfloat16_attention_stays_close_to_float32():
+    """The default model (head size 64) behind a prefix: with bfloat16_attention its
     hidden states stay within bfloat16's rounding of the float32 ones where the CPU has AVX-512
     BF16, and are the float32 ones exactly where it has not."""
     import cartridges
@@ -327,7 +327,7 @@ def test_bfloat16_prefix_attention_stays_close_to_float32():
     prefix = native.prefix_from_tokens(torch.randint(0, 49152, (300,), generator=g))
     tokens = torch.randint(0, 49152, (2, 40), generator=g)
     exact = native.forward_hidden(tokens, prefixes=[[prefix]] * 2)
-    rounded = native.forward_hidden(tokens, prefixes=[[prefix]] * 2, bfloat16_prefix_attention=True)
+    rounded = native.forward_hidden(tokens, prefixes=[[prefix]] * 2, bfloat16_attention=True)
     if multiplies_bfloat16_natively("cpu"):
         assert not torch.equal(rounded, exact)
         assert ((rounded - exact).norm() / exact.norm()).item() < 2e-2

@@ -37,10 +37,10 @@ struct ForwardBatch {
   // When set, receives each layer's queries [B, H, S, D] after RoPE (attention matching's
   // reference queries); null on every serving and training path.
   std::vector<at::Tensor>* queries = nullptr;
-  // A float32 model's attention over the prefixes in bfloat16 where the CPU has AVX-512 BF16
-  // (model/prefix_attention_bf16.h: about 3x faster), without gradients. Self-study's teacher
-  // asks for it when the cartridge trains in bfloat16; every other path leaves it off.
-  bool bfloat16_prefix_attention = false;
+  // A float32 model's attention behind prefixes in bfloat16 where the CPU has AVX-512 BF16
+  // (model/prefix_attention_bf16.h: 3-6x faster), without gradients. Self-study's teacher asks
+  // for it when the cartridge trains in bfloat16; every other path leaves it off.
+  bool bfloat16_attention = false;
 };
 
 // A weight matrix as stored in a GGUF file: `format` "Q4_0", "Q4_1" or "Q8_0", `data` uint8

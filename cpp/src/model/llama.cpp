@@ -285,7 +285,7 @@ at::Tensor LlamaModel::forward_hidden(const ForwardBatch& batch, KVCache* cache)
       values = cv.narrow(2, 0, total);
     }
     auto attn = ops::attention(q, keys, values, mask, batch.prefixes, l, shared, own_causal,
-                                batch.bfloat16_prefix_attention);  // [B, H, S, D]
+                                batch.bfloat16_attention);  // [B, H, S, D]
     x = x + apply(layer.o, attn.transpose(1, 2).reshape({B, S, H * D}));
 
     x = x + mlp(layer, x);

@@ -171,7 +171,7 @@ at::Tensor segment_output(const at::Tensor& probs, const at::Tensor& seg_v) {
 // prefix segments, they and the own keys are two fused attentions merged (split_attention.h):
 // the prefix is read once for every row, unmasked, and the own part runs causal when it can.
 at::Tensor attention_fused_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                               const PrefixList& segments, int64_t layer, bool own_causal, bool bfloat16_prefix) {
+                               const PrefixList& segments, int64_t layer, bool own_causal, bool bfloat16_attention) {
   if (segments.empty()) {
     return at::scaled_dot_product_attention(q, k, v, own_causal ? std::optional<at::Tensor>() : mask,
                                             /*dropout_p=*/0.0, /*is_causal=*/own_causal, /*scale=*/std::nullopt,
@@ -193,13 +193,13 @@ at::Tensor attention_fused_cpu(const at::Tensor& q, const at::Tensor& k, const a
     bias = at::cat(biases, 1);
   }
   return split_attention_cpu(q, k, v, mask, own_causal, keys.size() == 1 ? keys[0] : at::cat(keys, 1),
-                             values.size() == 1 ? values[0] : at::cat(values, 1), bias, bfloat16_prefix);
+                             values.size() == 1 ? values[0] : at::cat(values, 1), bias, bfloat16_attention);
 }
 
 // All rows of q see the same prefix segments.
 at::Tensor attention_shared(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                            const PrefixList& segments, int64_t layer, bool own_causal, bool bfloat16_prefix = false) {
-  if (q.device().is_cpu()) return attention_fused_cpu(q, k, v, mask, segments, layer, own_causal, bfloat16_prefix);
+                            const PrefixList& segments, int64_t layer, bool own_causal, bool bfloat16_attention = false) {
+  if (q.device().is_cpu()) return attention_fused_cpu(q, k, v, mask, segments, layer, own_causal, bfloat16_attention);
   const auto batch = q.size(0), heads = q.size(1), steps = q.size(2), dim = q.size(3);
   const auto kv_heads = k.size(1), groups = heads / kv_heads, total = k.size(2);
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
@@ -294,11 +294,11 @@ at::Tensor attention_padded_prefixes(const at::Tensor& q, const at::Tensor& k, c
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                      const std::vector<PrefixList>& prefixes, int64_t layer, bool shared, bool own_causal,
-                     bool bfloat16_prefix) {
+                     bool bfloat16_attention) {
   TORCH_INTERNAL_ASSERT(q.size(1) % k.size(1) == 0);
   TORCH_CHECK(!own_causal || q.size(2) == k.size(2), "attention: a causal step without past needs S == T");
   if (prefixes.empty()) return attention_shared(q, k, v, mask, {}, layer, own_causal);
-  if (shared) return attention_shared(q, k, v, mask, prefixes[0], layer, own_causal, bfloat16_prefix);
+  if (shared) return attention_shared(q, k, v, mask, prefixes[0], layer, own_causal, bfloat16_attention);
   // Rows with different prefixes. On a GPU, one batched attention over the lists padded to the
   // longest: a row at a time would cost more in kernel launches than the padding costs (the
   // training step's rows behind a companion or not). On the CPU, one row at a time, the same
@@ -308,7 +308,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   rows.reserve(q.size(0));
   for (int64_t b = 0; b < q.size(0); ++b) {
     rows.push_back(attention_shared(q.narrow(0, b, 1), k.narrow(0, b, 1), v.narrow(0, b, 1),
-                                    mask.narrow(0, b, 1), prefixes[b], layer, own_causal, bfloat16_prefix));
+                                    mask.narrow(0, b, 1), prefixes[b], layer, own_causal, bfloat16_attention));
   }
   return at::cat(rows, 0);
 }

@@ -44,7 +44,7 @@ at::Tensor causal_mask(const std::vector<int64_t>& past, int64_t new_tokens, int
 // the CPU path then applies by position without reading it. Returns [B, H, S, D].
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                      const std::vector<PrefixList>& prefixes, int64_t layer, bool shared, bool own_causal = false,
-                     bool bfloat16_prefix = false);
+                     bool bfloat16_attention = false);
 
 // attention() for rows whose prefix lists differ, as a GPU computes it: each distinct list's
 // keys and values joined and padded to the longest (the padding masked), then one batched

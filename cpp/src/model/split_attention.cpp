@@ -49,7 +49,7 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& prefix_keys, const at::Tensor& prefix_values,
                             const std::optional<at::Tensor>& own_mask, bool own_causal,
-                            const std::optional<at::Tensor>& prefix_mask, bool bfloat16_prefix) {
+                            const std::optional<at::Tensor>& prefix_mask, bool bfloat16_attention) {
     const auto B = q.size(0), H = q.size(1), S = q.size(2);
     const auto kv_heads = k.size(1), groups = H / kv_heads;
     // One sequence per KV head when the threads divide the heads evenly, else one per row and head.
@@ -61,7 +61,7 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
     if (prefix_mask) pmask = prefix_mask->expand({sequences, -1, -1, -1});
     at::Tensor prefix_out, prefix_lse;
     const bool prefix_kernel =
-        (q.scalar_type() == at::kBFloat16 || bfloat16_prefix) && prefix_attention_bf16_supported(q.size(3));
+        (q.scalar_type() == at::kBFloat16 || bfloat16_attention) && prefix_attention_bf16_supported(q.size(3));
     if (prefix_kernel) {
       std::tie(prefix_out, prefix_lse) =
           prefix_attention_bf16(folded_q.to(at::kBFloat16), prefix_keys.to(at::kBFloat16),
@@ -182,7 +182,7 @@ struct KernelSplitAttention : public torch::autograd::Function<KernelSplitAttent
 
 at::Tensor split_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& own_mask, bool own_causal, const at::Tensor& prefix_keys,
-                               const at::Tensor& prefix_values, const at::Tensor& prefix_bias, bool bfloat16_prefix) {
+                               const at::Tensor& prefix_values, const at::Tensor& prefix_bias, bool bfloat16_attention) {
   TORCH_CHECK(q.device().is_cpu(), "split_attention_cpu: tensors must be on CPU");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && prefix_keys.dim() == 3 && q.size(1) % k.size(1) == 0,
               "split_attention_cpu: q [B, H, S, D], k [B, H_kv, T, D] and prefix keys [H_kv, P, D]");
@@ -193,17 +193,21 @@ at::Tensor split_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   if (prefix_bias.defined()) {
     prefix_mask = prefix_bias.to(dtype).view({1, prefix_bias.size(0), 1, prefix_bias.size(1)});
   }
-  if (own_causal && dtype == at::kBFloat16 && prefix_attention_bf16_supported(q.size(3))) {
-    // The kernel's biases: ATen's additive mask would hold them in q's dtype; so do these.
-    std::optional<at::Tensor> bias;
-    if (prefix_bias.defined()) bias = prefix_bias.to(dtype).to(at::kFloat);
-    return KernelSplitAttention::apply(q, k, v, prefix_keys.to(dtype), prefix_values.to(dtype), bias);
-  }
-  // bfloat16 for a float32 q only without gradients: the backward takes q's dtype.
+  // A float32 q computes in bfloat16 only without gradients: the backward takes q's dtype.
   const bool wants_grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
                                                          prefix_keys.requires_grad() || prefix_values.requires_grad());
+  const bool lowered = bfloat16_attention && !wants_grad && dtype == at::kFloat;
+  if (own_causal && (dtype == at::kBFloat16 || lowered) && prefix_attention_bf16_supported(q.size(3))) {
+    // The kernel's biases: ATen's additive mask would hold them in bfloat16; so do these.
+    const auto bf16 = at::kBFloat16;
+    std::optional<at::Tensor> bias;
+    if (prefix_bias.defined()) bias = prefix_bias.to(bf16).to(at::kFloat);
+    return KernelSplitAttention::apply(q.to(bf16), k.to(bf16), v.to(bf16), prefix_keys.to(bf16),
+                                       prefix_values.to(bf16), bias)
+        .to(dtype);
+  }
   return SplitAttention::apply(q, k, v, prefix_keys.to(dtype), prefix_values.to(dtype), mask, own_causal,
-                               prefix_mask, bfloat16_prefix && !wants_grad);
+                               prefix_mask, lowered);
 }
 
 }  // namespace cartridges::ops

@@ -101,11 +101,11 @@ class Synthesizer:
         # Windows' text and KV, most recently used last: a round of batches visits every window,
         # so a short corpus's windows are all kept and computed once for the whole run.
         self._windows: OrderedDict[Span, tuple[str, cartridges_core.KVPrefix, int]] = OrderedDict()
-        # When the cartridge trains in bfloat16, the teacher attends its window in bfloat16 too: on
-        # a CPU with AVX-512 BF16 the core's own kernel does it about 3x faster than float32
-        # (docs/experiments.md, "Can an own bfloat16 kernel make the attention over a prefix
-        # cheaper?"); elsewhere the flag changes nothing.
-        self.bfloat16_windows = resolved_training_dtype(self.native, config.training_dtype) == "bfloat16"
+        # When the cartridge trains in bfloat16, the teacher's attention behind its window runs in
+        # bfloat16 too: on a CPU with AVX-512 BF16 the core's own kernels do it 3-6x faster than
+        # float32 (docs/experiments.md, "Can an own bfloat16 kernel make the attention over a
+        # prefix cheaper?"); elsewhere the flag changes nothing.
+        self.bfloat16_attention = resolved_training_dtype(self.native, config.training_dtype) == "bfloat16"
 
     def prompt(self, document: str, user: str) -> list[int]:
         messages = [
@@ -176,7 +176,7 @@ class Synthesizer:
             for group in cartridges_core.length_groups([len(r) for r in rows], overhead):
                 tokens, lengths = _pad([rows[i] for i in group])
                 hidden = self.native.forward_hidden(tokens, num_new=lengths, prefixes=[prefixes] * len(group),
-                                                    bfloat16_prefix_attention=self.bfloat16_windows)
+                                                    bfloat16_attention=self.bfloat16_attention)
                 # The answers' positions of every row, through the vocabulary a block at a time
                 # (one call per block, not per row).
                 spans = [(len(prompts[i]) - shared - 1, len(answers[i])) for i in group]  # predicts the answer
