@@ -48,7 +48,7 @@ CARTRIDGES_AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
 }
 
 CARTRIDGES_AVX512_BF16 inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(a), reinterpret_cast<__m512bh&>(b));
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);  // the same bits, as bfloat16 pairs
 }
 
 // The products both passes are made of. Matrices of bfloat16 are row-major uint16_t; a matrix
@@ -112,7 +112,7 @@ CARTRIDGES_AVX512_BF16 inline __m512 hide_keys_past(__m512 x, int64_t tile_start
 
 CARTRIDGES_AVX512_BF16 inline void store_bf16(uint16_t* dst, __m512 x) {
   const __m256bh h = _mm512_cvtneps_pbh(x);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<const __m256i&>(h));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)h);
 }
 
 CARTRIDGES_AVX512_BF16 inline __m512 load_bf16(const uint16_t* src) {
@@ -141,7 +141,7 @@ void transpose_tile(const uint16_t* a, uint16_t* t) {
     for (int64_t j = 0; j < kTile; ++j) t[j * kRows + r] = a[r * kTile + j];
 }
 
-// One KV head's prefix in the kernel's layouts, padded to whole tiles.
+// One KV head's keys (a prefix, or a row's own) in the kernel's layouts, padded to whole tiles.
 struct PackedPrefix {
   const uint16_t* keys;         // pack_keys: the scores' right-hand side
   const uint16_t* values;       // pack_values: the weighted values' right-hand side

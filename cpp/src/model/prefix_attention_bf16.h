@@ -1,7 +1,8 @@
 #pragma once
 // Attention of bfloat16 queries over a prefix every query shares (a cartridge, a teacher's
-// window), unmasked, with the prefix's optional per-key biases: the forward of the prefix part
-// of split_attention.h, on CPUs with AVX-512 BF16.
+// window), unmasked, with the prefix's optional per-key biases, and of each row's queries over
+// its own keys, causal: the two parts of split_attention.h, forward and backward, on CPUs with
+// AVX-512 BF16.
 //
 // ATen's fused CPU attention reaches about 90 GMAC/s on two cores here in float32 and in
 // bfloat16 alike: its bfloat16 path does not use the CPU's bfloat16 dot products. This kernel
