@@ -62,6 +62,22 @@ TEST(PrefixAttentionBf16Test, MatchesFloat32Reference) {
   }
 }
 
+// Keys and values given as strided views (a [P, H_kv, D] tensor transposed) read as their copies do.
+TEST(PrefixAttentionBf16Test, StridedKeysMatchContiguousOnes) {
+  if (!ops::prefix_attention_bf16_supported(64)) GTEST_SKIP() << "no AVX-512 BF16 on this CPU";
+  at::manual_seed(6);
+  auto q = at::randn({1, 3, 20, 64}).to(at::kBFloat16);
+  for (int64_t P : {64, 100}) {  // a whole tile (no padding) and a padded one
+    auto keys = at::randn({P, 3, 64}).to(at::kBFloat16).transpose(0, 1);
+    auto values = at::randn({P, 3, 64}).to(at::kBFloat16).transpose(0, 1);
+    ASSERT_FALSE(keys.is_contiguous());
+    auto [out, lse] = ops::prefix_attention_bf16(q, keys, values, at::Tensor());
+    auto [want_out, want_lse] = ops::prefix_attention_bf16(q, keys.contiguous(), values.contiguous(), at::Tensor());
+    EXPECT_TRUE(at::equal(out, want_out)) << "P " << P;
+    EXPECT_TRUE(at::equal(lse, want_lse)) << "P " << P;
+  }
+}
+
 // A prefix whose every key carries -inf bias but one: only that key's value comes out.
 TEST(PrefixAttentionBf16Test, MaskedKeysGetNoWeight) {
   if (!ops::prefix_attention_bf16_supported(64)) GTEST_SKIP() << "no AVX-512 BF16 on this CPU";

@@ -276,7 +276,7 @@ CARTRIDGES_AVX512_BF16 void attend_rows_backward(const uint16_t* q, const uint16
       store_bf16(dq + r * D + c * 16, _mm512_mul_ps(_mm512_load_ps(acc_dq + r * D + c * 16), vscale));
 }
 
-// The kernel's layouts of one call's prefix, [H_kv, P, D] padded with zero keys to `padded`:
+// The kernel's layouts of one call's keys, [K, P, D] (any strides) padded with zero keys to `padded`:
 // per block of 16 keys, per pair of dimensions, the 16 keys' two values (one vector) ...
 at::Tensor pack_keys(const at::Tensor& keys, int64_t padded) {
   const auto heads = keys.size(0), len = keys.size(1), dim = keys.size(2);

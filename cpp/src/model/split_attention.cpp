@@ -39,17 +39,11 @@ at::Tensor unfold_lse(const at::Tensor& lse, int64_t batch, int64_t steps) {
   return unfold(lse.unsqueeze(-1), batch, steps).squeeze(-1);
 }
 
-// The prefix kernel's float32 [H_kv, P] biases from ATen's additive mask [.., H_kv, 1, P] in q's
-// dtype: the values ATen's fused attention would add, so both paths see the same scores.
-at::Tensor kernel_bias(const std::optional<at::Tensor>& mask, int64_t kv_heads) {
-  return mask ? mask->reshape({-1, kv_heads, mask->size(-1)}).select(0, 0).to(at::kFloat) : at::Tensor();
-}
-
 struct SplitAttention : public torch::autograd::Function<SplitAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& prefix_keys, const at::Tensor& prefix_values,
                             const std::optional<at::Tensor>& own_mask, bool own_causal,
-                            const std::optional<at::Tensor>& prefix_mask, bool bfloat16_attention) {
+                            const std::optional<at::Tensor>& prefix_mask) {
     const auto B = q.size(0), H = q.size(1), S = q.size(2);
     const auto kv_heads = k.size(1), groups = H / kv_heads;
     // One sequence per KV head when the threads divide the heads evenly, else one per row and head.
@@ -59,18 +53,8 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
     auto pv = prefix_values.unsqueeze(0).expand({sequences, -1, -1, -1});
     std::optional<at::Tensor> pmask;
     if (prefix_mask) pmask = prefix_mask->expand({sequences, -1, -1, -1});
-    at::Tensor prefix_out, prefix_lse;
-    const bool prefix_kernel =
-        (q.scalar_type() == at::kBFloat16 || bfloat16_attention) && prefix_attention_bf16_supported(q.size(3));
-    if (prefix_kernel) {
-      std::tie(prefix_out, prefix_lse) =
-          prefix_attention_bf16(folded_q.to(at::kBFloat16), prefix_keys.to(at::kBFloat16),
-                                prefix_values.to(at::kBFloat16), kernel_bias(prefix_mask, kv_heads));
-      prefix_out = prefix_out.to(q.scalar_type());
-    } else {
-      std::tie(prefix_out, prefix_lse) =
-          at::_scaled_dot_product_flash_attention_for_cpu(folded_q, pk, pv, 0.0, false, pmask);
-    }
+    auto [prefix_out, prefix_lse] =
+        at::_scaled_dot_product_flash_attention_for_cpu(folded_q, pk, pv, 0.0, false, pmask);
     auto own_k = groups == 1 ? k : k.repeat_interleave(groups, 1);
     auto own_v = groups == 1 ? v : v.repeat_interleave(groups, 1);
     auto [own_out, own_lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, own_k, own_v, 0.0, own_causal, own_mask);
@@ -90,7 +74,6 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
     ctx->saved_data["own_causal"] = own_causal;
     ctx->saved_data["kv_heads"] = kv_heads;
     ctx->saved_data["sequences"] = sequences;
-    ctx->saved_data["prefix_kernel"] = prefix_kernel;
     return out;
   }
 
@@ -113,27 +96,17 @@ struct SplitAttention : public torch::autograd::Function<SplitAttention> {
     auto grad = grads[0].to(at::kFloat);
     auto prefix_grad = (grad * prefix_share).to(q.scalar_type());
     auto own_grad = (grad * own_share).to(q.scalar_type());
-    at::Tensor dq_prefix, dpk, dpv;
-    if (ctx->saved_data["prefix_kernel"].toBool()) {
-      std::optional<at::Tensor> bias;
-      if (prefix_mask) bias = prefix_mask->select(0, 0);
-      std::tie(dq_prefix, dpk, dpv) = prefix_attention_bf16_backward(
-          fold(prefix_grad, kv_heads, sequences), folded_q, pk.select(0, 0), pv.select(0, 0),
-          kernel_bias(bias, kv_heads), fold(out, kv_heads, sequences), prefix_lse);
-    } else {
-      std::tie(dq_prefix, dpk, dpv) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-          fold(prefix_grad, kv_heads, sequences), folded_q, pk, pv, fold(out, kv_heads, sequences), prefix_lse, 0.0,
-          false, prefix_mask);
-      dpk = dpk.sum(0), dpv = dpv.sum(0);  // the expanded prefix' gradients, per sequence
-    }
+    auto [dq_prefix, dpk, dpv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+        fold(prefix_grad, kv_heads, sequences), folded_q, pk, pv, fold(out, kv_heads, sequences), prefix_lse, 0.0,
+        false, prefix_mask);
     auto [dq_own, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
         own_grad, q, own_k, own_v, out, own_lse, 0.0, own_causal, mask);
     if (groups > 1) {
       dk = dk.reshape({B, kv_heads, groups, T, D}).sum(2);
       dv = dv.reshape({B, kv_heads, groups, T, D}).sum(2);
     }
-    return {unfold(dq_prefix, B, S) + dq_own, dk, dv, dpk, dpv,
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {unfold(dq_prefix, B, S) + dq_own, dk, dv, dpk.sum(0), dpv.sum(0),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -188,26 +161,25 @@ at::Tensor split_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
               "split_attention_cpu: q [B, H, S, D], k [B, H_kv, T, D] and prefix keys [H_kv, P, D]");
   TORCH_CHECK(!own_causal || q.size(2) == k.size(2), "split_attention_cpu: a causal own part needs S == T");
   const auto dtype = q.scalar_type();
-  std::optional<at::Tensor> prefix_mask, mask;
-  if (!own_causal) mask = own_mask.to(dtype);
-  if (prefix_bias.defined()) {
-    prefix_mask = prefix_bias.to(dtype).view({1, prefix_bias.size(0), 1, prefix_bias.size(1)});
-  }
   // A float32 q computes in bfloat16 only without gradients: the backward takes q's dtype.
   const bool wants_grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
                                                          prefix_keys.requires_grad() || prefix_values.requires_grad());
   const bool lowered = bfloat16_attention && !wants_grad && dtype == at::kFloat;
   if (own_causal && (dtype == at::kBFloat16 || lowered) && prefix_attention_bf16_supported(q.size(3))) {
-    // The kernel's biases: ATen's additive mask would hold them in bfloat16; so do these.
     const auto bf16 = at::kBFloat16;
     std::optional<at::Tensor> bias;
-    if (prefix_bias.defined()) bias = prefix_bias.to(bf16).to(at::kFloat);
+    if (prefix_bias.defined()) bias = prefix_bias.to(at::kFloat);
     return KernelSplitAttention::apply(q.to(bf16), k.to(bf16), v.to(bf16), prefix_keys.to(bf16),
                                        prefix_values.to(bf16), bias)
         .to(dtype);
   }
+  std::optional<at::Tensor> prefix_mask, mask;
+  if (!own_causal) mask = own_mask.to(dtype);
+  if (prefix_bias.defined()) {
+    prefix_mask = prefix_bias.to(dtype).view({1, prefix_bias.size(0), 1, prefix_bias.size(1)});
+  }
   return SplitAttention::apply(q, k, v, prefix_keys.to(dtype), prefix_values.to(dtype), mask, own_causal,
-                               prefix_mask, lowered);
+                               prefix_mask);
 }
 
 }  // namespace cartridges::ops

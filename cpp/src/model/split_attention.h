@@ -25,10 +25,10 @@ namespace cartridges::ops {
 // scaled scores on the prefix's keys. The own keys are seen under `own_mask` [B, 1, S, T]
 // (additive, q's dtype), or when `own_causal` (S == T, no cached past) by position, and the mask
 // is not read. Differentiable in q, k, v and the prefix's keys and values. Returns
-// [B, H, S, D] in q's dtype. Where the CPU has AVX-512 BF16 (prefix_attention_bf16.h), bfloat16 q
-// runs in its kernels: both parts with causal own keys, the prefix part alone under a mask. So
-// does float32 q with `bfloat16_attention` and no gradient wanted (its inputs then rounded to
-// bfloat16, its output back to float32).
+// [B, H, S, D] in q's dtype. Where the CPU has AVX-512 BF16 and the own keys are causal, bfloat16
+// q runs both parts in prefix_attention_bf16.h's kernels; so does float32 q with
+// `bfloat16_attention` and no gradient wanted (its inputs then rounded to bfloat16, its output
+// back to float32). Everything else runs ATen's fused attention.
 at::Tensor split_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& own_mask, bool own_causal, const at::Tensor& prefix_keys,
                                const at::Tensor& prefix_values, const at::Tensor& prefix_bias,
