@@ -286,7 +286,8 @@ class TrainConfig(BaseModel):
     the one used). The cartridge's values and Adam's state stay float32 either way, and
     synthesis and the quality report run on the model itself (in bfloat16 training, the
     teacher's attention over its window runs in bfloat16 too where the CPU has AVX-512 BF16). On a CPU with AVX-512 BF16 a
-    bfloat16 step takes about 0.7x the float32 one (benchmarks/README.md, "Training step"), and
+    bfloat16 step takes about a third of the float32 one (the core's bfloat16 attention kernels
+    included; benchmarks/README.md, "Training step against plain PyTorch"), and
     the cartridges it trained scored as the float32 ones on the documents measured
     (docs/experiments.md, "Does training in bfloat16 keep a cartridge's quality?"); without
     native support bfloat16 is slower."""
