@@ -4,7 +4,9 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cmath>
+#include <functional>
 
+#include "model/fused_cpu.h"
 #include "model/ops.h"
 
 using namespace cartridges;
@@ -92,16 +94,92 @@ TEST(RmsNormTest, MatchesDefinition) {
   EXPECT_TRUE(at::allclose(y, expected, 1e-5, 1e-6));
 }
 
-TEST(RmsNormTest, FusedCpuPathEqualsAtenExpression) {
-  // The inference loop against the same float32 expression through ATen (the path taken
-  // with gradients): equal up to the variance's summation order.
-  auto x = at::randn({5, 576}) * 3;
-  auto w = at::randn({576});
+namespace {
+
+// The ATen expressions the fused CPU kernels replace (model/fused_cpu.h).
+at::Tensor aten_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  auto h = x.to(at::kFloat);
+  h = h * at::rsqrt(h.pow(2).mean(-1, true) + eps);
+  return w * h.to(x.scalar_type());
+}
+
+at::Tensor aten_swiglu(const at::Tensor& gate_up) {
+  const auto I = gate_up.size(-1) / 2;
+  return at::silu(gate_up.narrow(-1, 0, I)) * gate_up.narrow(-1, I, I);
+}
+
+// Forward and gradient of the fused op against the ATen expression, the gradient computed from
+// the same bfloat16 or float32 inputs in float64 (the reference both are judged against).
+void expect_fused_matches(const std::function<at::Tensor(const at::Tensor&)>& fused,
+                          const std::function<at::Tensor(const at::Tensor&)>& aten, const at::Tensor& input,
+                          at::ScalarType dtype, double forward_tol, double grad_tol) {
+  auto x = input.to(dtype).requires_grad_(true);
+  auto y = fused(x);
+  ASSERT_EQ(y.scalar_type(), dtype);
+  auto x64 = x.detach().to(at::kDouble).requires_grad_(true);
+  auto y64 = aten(x64);
+  auto expected_aten = aten(x.detach()).to(at::kDouble);
+  const double scale = y64.abs().max().item<double>();
+  EXPECT_LT((y.to(at::kDouble) - y64).abs().max().item<double>(), forward_tol * scale);
+  // Within the rounding the ATen expression itself makes.
+  EXPECT_LT((y.to(at::kDouble) - y64).abs().max().item<double>(),
+            2 * (expected_aten - y64).abs().max().item<double>() + 1e-6 * scale);
+  auto grad = at::randn(y.sizes());
+  auto dx = torch::autograd::grad({y}, {x}, {grad.to(dtype)})[0];
+  auto dx64 = torch::autograd::grad({y64}, {x64}, {grad.to(dtype).to(at::kDouble)})[0];
+  const double grad_scale = dx64.abs().max().item<double>();
+  EXPECT_LT((dx.to(at::kDouble) - dx64).abs().max().item<double>(), grad_tol * grad_scale);
+  EXPECT_GT(dx.abs().max().item<double>(), 0.0);
+}
+
+}  // namespace
+
+TEST(RmsNormTest, FusedCpuMatchesAtenForwardAndGradient) {
+  // 577 features: a tail past the last 16 lanes; rows enough for several threads' tasks.
+  for (int64_t features : {576L, 577L, 8L}) {
+    auto x = at::randn({3, 70, features}) * 3;
+    auto w = at::randn({features});
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      const auto wd = w.to(dtype);
+      const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
+      expect_fused_matches([&](const at::Tensor& t) { return ops::rms_norm(t, wd, 1e-5); },
+                           [&](const at::Tensor& t) { return aten_rms_norm(t, w.to(t.scalar_type()), 1e-5); }, x,
+                           dtype, tol, tol);
+    }
+  }
+}
+
+TEST(RmsNormTest, FusedCpuRoundsAsTheAtenExpression) {
+  // bfloat16: x * scale rounded, then weight times it rounded, so most outputs equal ATen's bits.
+  auto x = (at::randn({64, 576}) * 3).to(at::kBFloat16);
+  auto w = at::randn({576}).to(at::kBFloat16);
   auto fused = ops::rms_norm(x, w, 1e-5);
-  auto xg = x.clone().requires_grad_(true);
-  auto aten = ops::rms_norm(xg, w, 1e-5).detach();
-  EXPECT_TRUE(at::allclose(fused, aten, 1e-6, 1e-6)) << (fused - aten).abs().max().item<float>();
-  EXPECT_FALSE(at::equal(fused, at::zeros_like(fused)));
+  auto aten = aten_rms_norm(x, w, 1e-5);
+  EXPECT_GT(fused.eq(aten).to(at::kFloat).mean().item<float>(), 0.95);
+  // A strided x (a view across rows) reads as its copy does.
+  auto wide = at::randn({64, 1152}).to(at::kBFloat16);
+  EXPECT_TRUE(at::equal(ops::rms_norm(wide.narrow(1, 100, 576), w, 1e-5),
+                        ops::rms_norm(wide.narrow(1, 100, 576).contiguous(), w, 1e-5)));
+}
+
+TEST(SwigluTest, FusedCpuMatchesAtenForwardAndGradient) {
+  for (int64_t width : {1536L, 37L}) {
+    // Gates over a wide range, with the extremes where exp saturates.
+    auto x = at::randn({2, 65, 2 * width}) * 4;
+    x.index_put_({0, 0, 0}, -120.0);
+    x.index_put_({0, 0, 1}, 95.0);
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+      expect_fused_matches([](const at::Tensor& t) { return ops::swiglu(t); }, aten_swiglu, x, dtype, tol, tol);
+    }
+  }
+}
+
+TEST(SwigluTest, FusedCpuNeedsNoGradientToRun) {
+  auto x = at::randn({5, 64});
+  auto y = ops::swiglu(x);
+  EXPECT_FALSE(y.requires_grad());
+  EXPECT_TRUE(at::allclose(y, aten_swiglu(x), 1e-5, 1e-6));
 }
 
 TEST(RopeTest, RopeAndStoreEqualsApplyRopeAndIndexCopy) {
@@ -327,4 +405,60 @@ TEST(AttentionTest, GradientReachesPrefix) {
   out.sum().backward();
   ASSERT_TRUE(p->keys[0].grad().defined());
   EXPECT_GT(p->values[0].grad().abs().sum().item<float>(), 0);
+}
+
+TEST(SparseCrossEntropyTest, LogsumexpAndGradientMatchAten) {
+  // 1,000 words: a tail past the last 16 lanes; ids repeat in row 0, as scatter_add sums them.
+  auto z = at::randn({9, 1000}) * 4;
+  auto ids = at::randint(1000, {9, 5}, at::kLong);
+  ids.index_put_({0, 1}, ids[0][0].item<int64_t>());
+  auto coef = at::rand({9, 5});
+  auto mass = at::rand({9}) + 0.5;
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    const auto zd = z.to(dtype);
+    const auto zf = zd.to(at::kFloat);
+    auto lse = ops::logsumexp_rows_cpu(zd);
+    EXPECT_TRUE(at::allclose(lse, at::logsumexp(zf, -1), 1e-5, 1e-5)) << (lse - at::logsumexp(zf, -1)).abs().max();
+    auto expected = (zf - lse.unsqueeze(1)).exp() * mass.unsqueeze(1);
+    expected.scatter_add_(1, ids, -coef);
+    auto got = ops::softmax_grad_cpu(zd, lse, mass, ids, coef);
+    ASSERT_EQ(got.scalar_type(), dtype);
+    const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+    EXPECT_TRUE(at::allclose(got.to(at::kFloat), expected, tol, 1e-6)) << (got.to(at::kFloat) - expected).abs().max();
+  }
+  auto outside = ids.clone();
+  outside.index_put_({2, 3}, 1000);
+  EXPECT_THROW(ops::softmax_grad_cpu(z, ops::logsumexp_rows_cpu(z), mass, outside, coef), c10::Error);
+}
+
+TEST(RopeTest, FusedSplitHeadsMatchesApplyRopeForwardAndGradient) {
+  auto c = rope_config("default");
+  const int64_t B = 2, S = 7, heads = 4, kv = 2, dim = 16;
+  auto inv = ops::rope_inv_freq(c);
+  auto positions = at::arange(S, at::kLong).view({1, S}) + at::tensor({3L, 40L}, at::kLong).view({B, 1});
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    auto [cos, sin] = ops::rope_cos_sin(inv, positions, dtype);  // [B, 1, S, D]
+    auto qkv = at::randn({B, S, (heads + 2 * kv) * dim}).to(dtype).requires_grad_(true);
+    auto [q, k, v] = ops::rope_split_heads_cpu(qkv, cos, sin, heads, kv);
+    EXPECT_TRUE(q.is_contiguous() && k.is_contiguous() && v.is_contiguous());
+    // The reference: the heads' views of qkv through apply_rope, in float64.
+    auto ref = qkv.detach().to(at::kDouble).requires_grad_(true);
+    auto c64 = cos.to(at::kDouble), s64 = sin.to(at::kDouble);
+    auto rq = ops::apply_rope(ref.narrow(2, 0, heads * dim).view({B, S, heads, dim}).transpose(1, 2), c64, s64);
+    auto rk = ops::apply_rope(ref.narrow(2, heads * dim, kv * dim).view({B, S, kv, dim}).transpose(1, 2), c64, s64);
+    auto rv = ref.narrow(2, (heads + kv) * dim, kv * dim).view({B, S, kv, dim}).transpose(1, 2);
+    const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+    for (auto [got, want] : {std::pair{q, rq}, std::pair{k, rk}, std::pair{v, rv}}) {
+      EXPECT_TRUE(at::allclose(got.to(at::kDouble), want, tol, tol)) << (got.to(at::kDouble) - want).abs().max();
+    }
+    auto gq = at::randn(q.sizes()), gk = at::randn(k.sizes()), gv = at::randn(v.sizes());
+    auto dqkv = torch::autograd::grad({q, k, v}, {qkv}, {gq.to(dtype), gk.to(dtype), gv.to(dtype)}, /*retain_graph=*/true)[0];
+    auto want = torch::autograd::grad({rq, rk, rv}, {ref},
+                                      {gq.to(dtype).to(at::kDouble), gk.to(dtype).to(at::kDouble),
+                                       gv.to(dtype).to(at::kDouble)})[0];
+    EXPECT_TRUE(at::allclose(dqkv.to(at::kDouble), want, tol, tol)) << (dqkv.to(at::kDouble) - want).abs().max();
+    // An output that takes no part in the loss gives no gradient to its part of qkv.
+    auto only_q = torch::autograd::grad({q}, {qkv}, {gq.to(dtype)})[0];
+    EXPECT_TRUE(at::equal(only_q.narrow(2, heads * dim, 2 * kv * dim), at::zeros({B, S, 2 * kv * dim}, dtype)));
+  }
 }

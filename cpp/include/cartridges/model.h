@@ -107,6 +107,8 @@ class LlamaModel {
   at::Tensor forward_hidden(const ForwardBatch& batch, KVCache* cache) const;
   // Logits [..., vocab] from final hidden states, in float32.
   at::Tensor logits(const at::Tensor& hidden) const;
+  // The same in the model's dtype, for a consumer that reads bfloat16 itself (the training loss).
+  at::Tensor logits_in_model_dtype(const at::Tensor& hidden) const;
   // Logits [B, vocab] at each row's last valid new token.
   at::Tensor forward_last(const ForwardBatch& batch, KVCache* cache) const;
   // Logits [B, S, vocab] at every new position.

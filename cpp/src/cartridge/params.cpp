@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "cartridges/cartridge.h"
+#include "model/fused_cpu.h"
 
 namespace cartridges {
 
@@ -12,21 +13,27 @@ namespace {
 
 // Cross-entropy of each target's logits z [T, V] against its teacher's top-k (token ids [T, K],
 // probabilities p [T, K]): sum_k p_k (lse(z) - z[id_k]). The same value as the log-softmax
-// gathered at the ids, without a [T, V] log-softmax kept for the backward: rows are taken a
-// block at a time, and the backward rebuilds softmax(z) from the saved log-sum-exp,
-// dz = g (sum_k p_k softmax(z) - p scattered at the ids).
+// gathered at the ids, without a [T, V] log-softmax kept for the backward: the backward rebuilds
+// softmax(z) from the saved log-sum-exp, dz = g (sum_k p_k softmax(z) - p scattered at the ids).
+// On the CPU both run as one pass per row over z in its own dtype (model/fused_cpu.h); elsewhere
+// rows are taken a block at a time in float32.
 struct TopKCrossEntropy : public torch::autograd::Function<TopKCrossEntropy> {
-  // A block of float32 rows stays small next to [T, V] on the CPU; a GPU takes larger blocks,
-  // whose few kernel launches cost less there than many small ones (1,024 rows of 49,152 words: 200 MB).
-  static int64_t rows_per_block(const at::Tensor& logits) { return logits.device().is_cpu() ? 64 : 1024; }
+  // 1,024 rows of 49,152 words in float32: 200 MB, whose few kernel launches cost less on a GPU
+  // than many small ones.
+  static constexpr int64_t kRowsPerBlock = 1024;
 
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& ids,
                             const at::Tensor& probs) {
-    const int64_t T = logits.size(0), block_rows = rows_per_block(logits);
-    auto lse = at::empty({T}, logits.options().dtype(at::kFloat));
-    for (int64_t start = 0; start < T; start += block_rows) {
-      const int64_t n = std::min(block_rows, T - start);
-      lse.narrow(0, start, n).copy_(at::logsumexp(logits.narrow(0, start, n).to(at::kFloat), -1));
+    at::Tensor lse;
+    if (ops::fused_cpu_supported(logits)) {
+      lse = ops::logsumexp_rows_cpu(logits);
+    } else {
+      const int64_t T = logits.size(0);
+      lse = at::empty({T}, logits.options().dtype(at::kFloat));
+      for (int64_t start = 0; start < T; start += kRowsPerBlock) {
+        const int64_t n = std::min(kRowsPerBlock, T - start);
+        lse.narrow(0, start, n).copy_(at::logsumexp(logits.narrow(0, start, n).to(at::kFloat), -1));
+      }
     }
     auto picked = logits.gather(1, ids).to(at::kFloat);
     ctx->save_for_backward({logits, ids, probs, lse});
@@ -39,13 +46,15 @@ struct TopKCrossEntropy : public torch::autograd::Function<TopKCrossEntropy> {
     const auto &logits = saved[0], &ids = saved[1], &probs = saved[2], &lse = saved[3];
     const auto grad = grads[0].to(at::kFloat);
     const auto mass = grad * probs.sum(1);  // [T]: each row's softmax weight in the gradient
+    const auto at_ids = grad.unsqueeze(1) * probs;  // [T, K]: taken away at the ids
+    if (ops::fused_cpu_supported(logits)) return {ops::softmax_grad_cpu(logits, lse, mass, ids, at_ids), {}, {}};
     auto out = at::empty_like(logits);
-    const int64_t T = logits.size(0), block_rows = rows_per_block(logits);
-    for (int64_t start = 0; start < T; start += block_rows) {
-      const int64_t n = std::min(block_rows, T - start);
+    const int64_t T = logits.size(0);
+    for (int64_t start = 0; start < T; start += kRowsPerBlock) {
+      const int64_t n = std::min(kRowsPerBlock, T - start);
       auto block = logits.narrow(0, start, n).to(at::kFloat).sub_(lse.narrow(0, start, n).unsqueeze(1)).exp_();
       block.mul_(mass.narrow(0, start, n).unsqueeze(1));
-      block.scatter_add_(1, ids.narrow(0, start, n), -(grad.narrow(0, start, n).unsqueeze(1) * probs.narrow(0, start, n)));
+      block.scatter_add_(1, ids.narrow(0, start, n), -at_ids.narrow(0, start, n));
       out.narrow(0, start, n).copy_(block);
     }
     return {out, at::Tensor(), at::Tensor()};
@@ -159,7 +168,7 @@ at::Tensor distillation_target_losses(const LlamaModel& model, const CartridgePa
   ForwardBatch batch{tokens, lengths, std::move(prefixes)};
   auto hidden = model.forward_hidden(batch, nullptr);                      // [B, S, hidden]
   // Only target positions reach the lm_head: the vocabulary is large.
-  return TopKCrossEntropy::apply(model.logits(hidden.index({mask.to(device)})), ids, teacher.exp());
+  return TopKCrossEntropy::apply(model.logits_in_model_dtype(hidden.index({mask.to(device)})), ids, teacher.exp());
 }
 
 std::pair<at::Tensor, int64_t> distillation_loss_sum(const LlamaModel& model, const CartridgeParams& params,

@@ -4,6 +4,7 @@
 
 #include "cartridges/kv_pool.h"
 #include "cartridges/model.h"
+#include "model/fused_cpu.h"
 #include "model/ops.h"
 #include "model/packed_attention.h"
 #include "model/quantized.h"
@@ -263,10 +264,16 @@ at::Tensor LlamaModel::forward_hidden(const ForwardBatch& batch, KVCache* cache)
   auto x = at::embedding(embed_, batch.tokens.to(device_));  // [B, S, hidden]
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const Layer& layer = layers_[l];
-    auto [q, k, v] = project_qkv(layer, ops::rms_norm(x, layer.input_norm, c.rms_norm_eps));
-    q = ops::apply_rope(q.transpose(1, 2), cos, sin);  // [B, H, S, D]
-    k = ops::apply_rope(k.transpose(1, 2), cos, sin);  // [B, Hkv, S, D]
-    v = v.transpose(1, 2);
+    auto h = ops::rms_norm(x, layer.input_norm, c.rms_norm_eps);
+    at::Tensor q, k, v;
+    if (!c.qk_norm && ops::fused_cpu_supported(h)) {  // one pass, and contiguous heads for the attention
+      std::tie(q, k, v) = ops::rope_split_heads_cpu(apply(layer.qkv, h), cos, sin, H, Hkv);
+    } else {
+      auto heads = project_qkv(layer, h);
+      q = ops::apply_rope(heads.q.transpose(1, 2), cos, sin);  // [B, H, S, D]
+      k = ops::apply_rope(heads.k.transpose(1, 2), cos, sin);  // [B, Hkv, S, D]
+      v = heads.v.transpose(1, 2);
+    }
     if (batch.queries != nullptr) batch.queries->push_back(q);
 
     at::Tensor keys = k, values = v;
@@ -319,9 +326,8 @@ LlamaModel::Projections LlamaModel::project_qkv(const Layer& layer, const at::Te
 }
 
 at::Tensor LlamaModel::mlp(const Layer& layer, const at::Tensor& x) const {
-  const int64_t I = config_.intermediate_size;
   auto gate_up = apply(layer.gate_up, ops::rms_norm(x, layer.post_norm, config_.rms_norm_eps));
-  return apply(layer.down, at::silu(gate_up.narrow(-1, 0, I)) * gate_up.narrow(-1, I, I));
+  return apply(layer.down, ops::swiglu(gate_up));
 }
 
 namespace {
@@ -434,8 +440,10 @@ at::Tensor LlamaModel::forward_fixed_decode(const at::Tensor& inputs, int64_t pr
 }
 
 at::Tensor LlamaModel::logits(const at::Tensor& hidden) const {
-  return apply(lm_head_, hidden).to(at::kFloat);
+  return logits_in_model_dtype(hidden).to(at::kFloat);
 }
+
+at::Tensor LlamaModel::logits_in_model_dtype(const at::Tensor& hidden) const { return apply(lm_head_, hidden); }
 
 at::Tensor LlamaModel::forward(const ForwardBatch& batch, KVCache* cache) const {
   return logits(forward_hidden(batch, cache));

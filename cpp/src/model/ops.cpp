@@ -1,4 +1,5 @@
 #include "model/ops.h"
+#include "model/fused_cpu.h"
 #include "model/spin_pool.h"
 #include "model/split_attention.h"
 
@@ -21,40 +22,24 @@ bool plain_cpu_float(const at::Tensor& t) {
          !(c10::GradMode::is_enabled() && t.requires_grad());
 }
 
-// The same arithmetic as the ATen expression below: variance in float32 (accumulated in
-// double, so it is at least as exact), then weight * (x * (1 / sqrt(variance + eps))).
-at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
-  const auto x = x_in.contiguous();
-  const auto weight = weight_in.contiguous();
-  auto out = at::empty_like(x);
-  const int64_t n = x.size(-1), rows = x.numel() / n;
-  TORCH_CHECK(weight.numel() == n, "rms_norm: weight has ", weight.numel(), " elements, x has ", n, " features");
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float epsilon = static_cast<float>(eps);
-  parallel_for(0, rows, /*grain_size=*/64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = xp + r * n;
-      float* outr = op + r * n;
-      double squares = 0.0;
-      for (int64_t j = 0; j < n; ++j) squares += static_cast<double>(xr[j]) * xr[j];
-      const float scale = 1.f / std::sqrt(static_cast<float>(squares / static_cast<double>(n)) + epsilon);
-      for (int64_t j = 0; j < n; ++j) outr[j] = wp[j] * (xr[j] * scale);
-    }
-  });
-  return out;
-}
-
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  if (plain_cpu_float(x) && plain_cpu_float(weight) && x.numel() > 0) return rms_norm_cpu(x, weight, eps);
+  const bool weight_trains = at::GradMode::is_enabled() && weight.requires_grad();
+  if (fused_cpu_supported(x) && weight.scalar_type() == x.scalar_type() && !weight_trains) {
+    return rms_norm_fused_cpu(x, weight, eps);
+  }
   const auto input_dtype = x.scalar_type();
   auto h = x.to(at::kFloat);
   auto variance = h.pow(2).mean(-1, /*keepdim=*/true);
   h = h * at::rsqrt(variance + eps);
   return weight * h.to(input_dtype);
+}
+
+at::Tensor swiglu(const at::Tensor& gate_up) {
+  if (fused_cpu_supported(gate_up)) return swiglu_fused_cpu(gate_up);
+  const int64_t width = gate_up.size(-1) / 2;
+  return at::silu(gate_up.narrow(-1, 0, width)) * gate_up.narrow(-1, width, width);
 }
 
 at::Tensor rope_inv_freq(const LlamaConfig& config) {

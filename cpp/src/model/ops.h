@@ -14,6 +14,9 @@ namespace cartridges::ops {
 // RMSNorm over the last dimension, computed in float32 (as Hugging Face does).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
+// silu(gate) * up for gate_up [..., 2I] holding gate then up (the MLP's fused projection).
+at::Tensor swiglu(const at::Tensor& gate_up);
+
 // RoPE inverse frequencies [D/2] in float32, with `llama3` scaling applied when configured.
 at::Tensor rope_inv_freq(const LlamaConfig& config);
 
