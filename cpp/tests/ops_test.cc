@@ -462,3 +462,21 @@ TEST(RopeTest, FusedSplitHeadsMatchesApplyRopeForwardAndGradient) {
     EXPECT_TRUE(at::equal(only_q.narrow(2, heads * dim, 2 * kv * dim), at::zeros({B, S, 2 * kv * dim}, dtype)));
   }
 }
+
+TEST(WeightedRowsTest, MergeAndItsBackwardMatchAten) {
+  // 70 elements a row: a tail past the last 16 lanes.
+  auto a = at::randn({2, 3, 5, 70}), b = at::randn({2, 3, 5, 70});
+  auto wa = at::rand({2, 3, 5}), wb = at::rand({2, 3, 5});
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    const auto ad = a.to(dtype), bd = b.to(dtype);
+    const auto want = ad.to(at::kFloat) * wa.unsqueeze(-1) + bd.to(at::kFloat) * wb.unsqueeze(-1);
+    const double tol = dtype == at::kFloat ? 1e-6 : 1e-2;
+    auto got = ops::weighted_row_sum_cpu(ad, wa, bd, wb);
+    ASSERT_EQ(got.scalar_type(), dtype);
+    EXPECT_TRUE(at::allclose(got.to(at::kFloat), want, tol, 1e-6)) << (got.to(at::kFloat) - want).abs().max();
+    auto [x_a, x_b] = ops::scaled_rows_cpu(ad, wa, wb);
+    EXPECT_TRUE(at::allclose(x_a.to(at::kFloat), ad.to(at::kFloat) * wa.unsqueeze(-1), tol, 1e-6));
+    EXPECT_TRUE(at::allclose(x_b.to(at::kFloat), ad.to(at::kFloat) * wb.unsqueeze(-1), tol, 1e-6));
+  }
+  EXPECT_THROW(ops::weighted_row_sum_cpu(a, wa.narrow(2, 0, 4), b, wb), c10::Error);
+}

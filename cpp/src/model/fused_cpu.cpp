@@ -233,6 +233,29 @@ CARTRIDGES_INLINE void rope_token(T* qkv, T* q, T* k, T* v, const T* cos, const 
   }
 }
 
+// Per row r of n elements: out = a * wa[r] + b * wb[r] (the merge of two partial attentions by
+// their shares), or, with b null, out = a * wa[r] and out2 = a * wb[r] (its backward).
+template <typename T>
+CARTRIDGES_INLINE void weighted_rows(const T* a, const float* wa, const T* b, const float* wb, T* out, T* out2,
+                                     int64_t n, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* ar = a + r * n;
+    T* o = out + r * n;
+    const float x = wa[r], y = wb[r];
+    if (b != nullptr) {
+      const T* br = b + r * n;
+      for (int64_t j = 0; j < n; ++j) store(o + j, load(ar + j) * x + load(br + j) * y);
+    } else {
+      T* o2 = out2 + r * n;
+      for (int64_t j = 0; j < n; ++j) {
+        const float v = load(ar + j);
+        store(o + j, v * x);
+        store(o2 + j, v * y);
+      }
+    }
+  }
+}
+
 CARTRIDGES_VECTOR_CLONES void rms_norm_float(const float* x, const float* w, float* out, float* scales, int64_t n,
                                              int64_t begin, int64_t end, float eps) {
   rms_norm_rows(x, w, out, scales, n, begin, end, eps);
@@ -312,6 +335,16 @@ CARTRIDGES_VECTOR_CLONES void rope_tokens_bf16(uint16_t* qkv, uint16_t* q, uint1
                                                int64_t cos_batch, int64_t heads, int64_t kv_heads, int64_t dim,
                                                bool inverse, int64_t begin, int64_t end) {
   rope_tokens(qkv, q, k, v, cos, sin, steps, cos_batch, heads, kv_heads, dim, inverse, begin, end);
+}
+
+CARTRIDGES_VECTOR_CLONES void weighted_rows_float(const float* a, const float* wa, const float* b, const float* wb,
+                                                  float* out, float* out2, int64_t n, int64_t begin, int64_t end) {
+  weighted_rows(a, wa, b, wb, out, out2, n, begin, end);
+}
+CARTRIDGES_VECTOR_CLONES void weighted_rows_bf16(const uint16_t* a, const float* wa, const uint16_t* b,
+                                                 const float* wb, uint16_t* out, uint16_t* out2, int64_t n,
+                                                 int64_t begin, int64_t end) {
+  weighted_rows(a, wa, b, wb, out, out2, n, begin, end);
 }
 
 template <typename T>
@@ -546,6 +579,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split_heads_cpu(const at::Te
   auto v = at::empty({B, kv_heads, S, dim}, x.options());
   run_rope(x, q, k, v, c, s, /*inverse=*/false);
   return {q, k, v};
+}
+
+namespace {
+
+// a (and b) [..., n] in one dtype, wa and wb float32 of a's leading shape.
+void run_weighted_rows(const at::Tensor& a, const at::Tensor& wa, const at::Tensor& b, const at::Tensor& wb,
+                       const at::Tensor& out, const at::Tensor& out2) {
+  const int64_t n = a.size(-1), rows = a.numel() / n;
+  TORCH_CHECK(fused_cpu_supported(a) && wa.numel() == rows && wb.numel() == rows && wa.scalar_type() == at::kFloat &&
+                  wb.scalar_type() == at::kFloat && wa.is_contiguous() && wb.is_contiguous(),
+              "weighted rows: a [..., n] on the CPU in float32 or bfloat16, one float32 weight per row");
+  const bool bf16 = a.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    if (bf16) {
+      weighted_rows_bf16(pointer<uint16_t>(a), pointer<float>(wa), b.defined() ? pointer<uint16_t>(b) : nullptr,
+                         pointer<float>(wb), pointer<uint16_t>(out), out2.defined() ? pointer<uint16_t>(out2) : nullptr,
+                         n, begin, end);
+    } else {
+      weighted_rows_float(pointer<float>(a), pointer<float>(wa), b.defined() ? pointer<float>(b) : nullptr,
+                          pointer<float>(wb), pointer<float>(out), out2.defined() ? pointer<float>(out2) : nullptr, n,
+                          begin, end);
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor weighted_row_sum_cpu(const at::Tensor& a, const at::Tensor& wa, const at::Tensor& b,
+                                const at::Tensor& wb) {
+  TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(),
+              "weighted_row_sum_cpu: a and b of one shape and dtype");
+  const auto ac = a.contiguous(), bc = b.contiguous();
+  auto out = at::empty_like(ac);
+  run_weighted_rows(ac, wa.contiguous(), bc, wb.contiguous(), out, at::Tensor());
+  return out;
+}
+
+std::pair<at::Tensor, at::Tensor> scaled_rows_cpu(const at::Tensor& x, const at::Tensor& wa, const at::Tensor& wb) {
+  const auto xc = x.contiguous();
+  auto out = at::empty_like(xc), out2 = at::empty_like(xc);
+  run_weighted_rows(xc, wa.contiguous(), at::Tensor(), wb.contiguous(), out, out2);
+  return {out, out2};
 }
 
 }  // namespace cartridges::ops

@@ -1,12 +1,14 @@
 #pragma once
-// RMSNorm, RoPE, the SwiGLU product and the distillation loss's softmax, each in one pass over memory,
-// forward and backward, for float32 and bfloat16 tensors on the CPU. Through ATen each is five to
-// eight elementwise passes (in bfloat16, with a conversion to float32 and back around them),
-// which in the training step cost as much as the attention over the conversations' own keys.
+// RMSNorm, RoPE, the SwiGLU product, split attention's merge and the distillation loss's
+// softmax, each in one pass over memory, forward and backward, for float32 and bfloat16 tensors
+// on the CPU. Through ATen each is several elementwise passes (in bfloat16, with conversions to
+// float32 and back around them), which in the training step cost as much as the attention over
+// the conversations' own keys.
 
 #include <ATen/ATen.h>
 
 #include <tuple>
+#include <utility>
 
 namespace cartridges::ops {
 
@@ -29,6 +31,13 @@ at::Tensor swiglu_fused_cpu(const at::Tensor& gate_up);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split_heads_cpu(const at::Tensor& qkv, const at::Tensor& cos,
                                                                      const at::Tensor& sin, int64_t heads,
                                                                      int64_t kv_heads);
+
+// a * wa + b * wb with one float32 weight per row of a and b [..., n] (wa, wb [...]): the merge
+// of two partial attentions by their shares of the whole, in a's dtype, rounded once.
+at::Tensor weighted_row_sum_cpu(const at::Tensor& a, const at::Tensor& wa, const at::Tensor& b,
+                                const at::Tensor& wb);
+// (x * wa, x * wb) with one weight per row: that merge's backward, x's gradient split by the shares.
+std::pair<at::Tensor, at::Tensor> scaled_rows_cpu(const at::Tensor& x, const at::Tensor& wa, const at::Tensor& wb);
 
 // The log-sum-exp of each row of logits [T, V] (float32 or bfloat16), in float32 [T].
 at::Tensor logsumexp_rows_cpu(const at::Tensor& logits);

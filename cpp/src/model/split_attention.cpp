@@ -1,5 +1,6 @@
 #include "model/split_attention.h"
 
+#include "model/fused_cpu.h"
 #include "model/prefix_attention_bf16.h"
 
 #include <ATen/Parallel.h>
@@ -124,10 +125,9 @@ struct KernelSplitAttention : public torch::autograd::Function<KernelSplitAttent
     auto [prefix_out, prefix_lse] = prefix_attention_bf16(folded_q, prefix_keys, prefix_values, bias);
     auto [own_out, own_lse] = causal_attention_bf16(folded_q, own_k, own_v);
     auto lse = at::logaddexp(prefix_lse, own_lse);
-    auto prefix_share = (prefix_lse - lse).exp_().unsqueeze(-1);
-    auto own_share = (own_lse - lse).exp_().unsqueeze(-1);
-    auto out = (prefix_out.to(at::kFloat).mul_(prefix_share) + own_out.to(at::kFloat).mul_(own_share))
-                   .to(q.scalar_type());
+    auto prefix_share = (prefix_lse - lse).exp_();  // [N, H_kv, L]: each part's share of a query's whole
+    auto own_share = (own_lse - lse).exp_();
+    auto out = weighted_row_sum_cpu(prefix_out, prefix_share, own_out, own_share);
     ctx->save_for_backward(
         {folded_q, own_k, own_v, prefix_keys, prefix_values, out, prefix_lse, own_lse, prefix_share, own_share});
     ctx->saved_data["bias"] = prefix_bias;
@@ -142,9 +142,8 @@ struct KernelSplitAttention : public torch::autograd::Function<KernelSplitAttent
     const auto bias = ctx->saved_data["bias"].toOptional<at::Tensor>().value_or(at::Tensor());
     const auto B = own_k.size(0), kv_heads = own_k.size(1), S = own_k.size(2);
     // Each part's backward, given its share of the output gradient and the merged output.
-    auto grad = fold(grads[0], kv_heads, B).to(at::kFloat);
-    auto prefix_grad = (grad * prefix_share).to(folded_q.scalar_type());
-    auto own_grad = (grad * own_share).to(folded_q.scalar_type());
+    auto [prefix_grad, own_grad] = scaled_rows_cpu(fold(grads[0].to(folded_q.scalar_type()), kv_heads, B),
+                                                   prefix_share, own_share);
     auto [dq_prefix, dpk, dpv] = prefix_attention_bf16_backward(prefix_grad, folded_q, pk, pv, bias, out, prefix_lse);
     auto [dq_own, dk, dv] = causal_attention_bf16_backward(own_grad, folded_q, own_k, own_v, out, own_lse);
     return {unfold(dq_prefix.add_(dq_own), B, S), dk, dv, dpk, dpv, at::Tensor()};
