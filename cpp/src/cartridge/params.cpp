@@ -18,9 +18,10 @@ namespace {
 // On the CPU both run as one pass per row over z in its own dtype (model/fused_cpu.h); elsewhere
 // rows are taken a block at a time in float32.
 struct TopKCrossEntropy : public torch::autograd::Function<TopKCrossEntropy> {
-  // 1,024 rows of 49,152 words in float32: 200 MB, whose few kernel launches cost less on a GPU
+  // Rows per float32 block where the fused CPU loops do not apply: a small block on a CPU (float16
+  // weights); on a GPU 1,024 rows of 49,152 words (200 MB), whose few kernel launches cost less
   // than many small ones.
-  static constexpr int64_t kRowsPerBlock = 1024;
+  static int64_t rows_per_block(const at::Tensor& logits) { return logits.device().is_cpu() ? 64 : 1024; }
 
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& ids,
                             const at::Tensor& probs) {
@@ -28,10 +29,10 @@ struct TopKCrossEntropy : public torch::autograd::Function<TopKCrossEntropy> {
     if (ops::fused_cpu_supported(logits)) {
       lse = ops::logsumexp_rows_cpu(logits);
     } else {
-      const int64_t T = logits.size(0);
+      const int64_t T = logits.size(0), block_rows = rows_per_block(logits);
       lse = at::empty({T}, logits.options().dtype(at::kFloat));
-      for (int64_t start = 0; start < T; start += kRowsPerBlock) {
-        const int64_t n = std::min(kRowsPerBlock, T - start);
+      for (int64_t start = 0; start < T; start += block_rows) {
+        const int64_t n = std::min(block_rows, T - start);
         lse.narrow(0, start, n).copy_(at::logsumexp(logits.narrow(0, start, n).to(at::kFloat), -1));
       }
     }
@@ -49,9 +50,9 @@ struct TopKCrossEntropy : public torch::autograd::Function<TopKCrossEntropy> {
     const auto at_ids = grad.unsqueeze(1) * probs;  // [T, K]: taken away at the ids
     if (ops::fused_cpu_supported(logits)) return {ops::softmax_grad_cpu(logits, lse, mass, ids, at_ids), {}, {}};
     auto out = at::empty_like(logits);
-    const int64_t T = logits.size(0);
-    for (int64_t start = 0; start < T; start += kRowsPerBlock) {
-      const int64_t n = std::min(kRowsPerBlock, T - start);
+    const int64_t T = logits.size(0), block_rows = rows_per_block(logits);
+    for (int64_t start = 0; start < T; start += block_rows) {
+      const int64_t n = std::min(block_rows, T - start);
       auto block = logits.narrow(0, start, n).to(at::kFloat).sub_(lse.narrow(0, start, n).unsqueeze(1)).exp_();
       block.mul_(mass.narrow(0, start, n).unsqueeze(1));
       block.scatter_add_(1, ids.narrow(0, start, n), -at_ids.narrow(0, start, n));

@@ -2,8 +2,7 @@
 // RMSNorm, RoPE, the SwiGLU product, split attention's merge and the distillation loss's
 // softmax, each in one pass over memory, forward and backward, for float32 and bfloat16 tensors
 // on the CPU. Through ATen each is several elementwise passes (in bfloat16, with conversions to
-// float32 and back around them), which in the training step cost as much as the attention over
-// the conversations' own keys.
+// float32 and back around them): about a quarter of the bfloat16 training step's CPU time.
 
 #include <ATen/ATen.h>
 
