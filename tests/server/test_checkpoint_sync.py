@@ -95,7 +95,9 @@ def test_a_job_whose_machine_died_resumes_on_another_from_the_blob_store(
     worker = subprocess.Popen([sys.executable, "-m", "cartridges.jobs.worker", run_id, str(machine_a)], env=env)
     mirror = DirectoryBlobs(blobs)
     deadline = time.monotonic() + 120
-    while f"jobs/{run_id}/train.ckpt" not in mirror.names(f"jobs/{run_id}/"):
+    # Every file of the checkpoint, not its first: killed between two uploads, B has no data file.
+    wanted = {f"jobs/{run_id}/train.ckpt", f"jobs/{run_id}/train.ckpt.data.pt"}
+    while not wanted <= set(mirror.names(f"jobs/{run_id}/")):
         assert worker.poll() is None and time.monotonic() < deadline, "no training checkpoint reached the blob store"
         time.sleep(0.05)
     worker.kill()
