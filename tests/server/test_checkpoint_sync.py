@@ -59,6 +59,30 @@ def test_checkpoints_are_copied_as_they_change_brought_back_and_removed(tmp_path
     assert mirror.names("jobs/") == []
 
 
+def test_checkpoints_are_copied_in_the_order_they_were_written(tmp_path: Path) -> None:
+    # The training state refers to the synthesized data: a machine that dies between two
+    # uploads must not leave the state in the blob store without the data it was written after.
+    class RecordingBlobs(DirectoryBlobs):
+        def __init__(self, root: str) -> None:
+            super().__init__(root)
+            self.uploaded: list[str] = []
+
+        def upload(self, name: str, path: str) -> None:
+            self.uploaded.append(name)
+            super().upload(name, path)
+
+    mirror = RecordingBlobs((tmp_path / "blobs").as_uri())
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    names = ["train.ckpt.data.pt", "train.ckpt", "train.ckpt.init.pt"]  # not in name order
+    for age, name in enumerate(reversed(names)):
+        path = scratch / name
+        path.write_bytes(name.encode())
+        os.utime(path, ns=(1_000_000_000 * (10 - age), 1_000_000_000 * (10 - age)))
+    CheckpointSync(mirror, "run1", scratch).sync()
+    assert mirror.uploaded == [f"jobs/run1/{name}" for name in names]
+
+
 def test_the_sweep_removes_the_checkpoints_of_jobs_that_ended(tmp_path: Path, tiny_model_dir: Path) -> None:
     shared = (tmp_path / "shared").as_uri()
     store = open_store(tmp_path / "data", sync=False, blob_url=shared)
@@ -95,7 +119,7 @@ def test_a_job_whose_machine_died_resumes_on_another_from_the_blob_store(
     worker = subprocess.Popen([sys.executable, "-m", "cartridges.jobs.worker", run_id, str(machine_a)], env=env)
     mirror = DirectoryBlobs(blobs)
     deadline = time.monotonic() + 120
-    # Every file of the checkpoint, not its first: killed between two uploads, B has no data file.
+    # The training state and the data it was trained on (copied before it), both of which B restores.
     wanted = {f"jobs/{run_id}/train.ckpt", f"jobs/{run_id}/train.ckpt.data.pt"}
     while not wanted <= set(mirror.names(f"jobs/{run_id}/")):
         assert worker.poll() is None and time.monotonic() < deadline, "no training checkpoint reached the blob store"

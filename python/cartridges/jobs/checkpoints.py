@@ -71,13 +71,16 @@ class CheckpointSync:
 
     def sync(self, force: bool = False) -> None:
         """Copies each checkpoint file that changed since its last copy (`force`: whatever the
-        interval)."""
+        interval), oldest first, so that a file that depends on one written before it (the
+        training state on the synthesized data) does not reach the blob store ahead of it."""
         now = time.monotonic()
+        written = []
         for path in _checkpoint_files(self._scratch):
             try:
-                stat = path.stat()
+                written.append((path.stat(), path))
             except FileNotFoundError:
                 continue  # replaced meanwhile: the next round copies the new one
+        for stat, path in sorted(written, key=lambda entry: entry[0].st_mtime_ns):
             version = (stat.st_mtime_ns, stat.st_size)
             if self._copied.get(path.name) == version:
                 continue
