@@ -10,8 +10,9 @@ import pytest
 from cartridges.selfstudy import TrainConfig
 from cartridges.selfstudy.chunking import Span, even_spans, named_texts, part_of, part_view, partner_chunk, plan_views
 from cartridges.selfstudy.config import LONG_CORPUS_TOKENS, default_num_samples, default_num_tokens
-from cartridges.selfstudy.prompts import (CLOZE_TEMPLATES, RECALL_TEMPLATES, VERIFY, VERIFY_TEMPLATES, cloze_message,
-                                         draw_seed_prompts, recall_message, verify_message)
+from cartridges.selfstudy.prompts import (CLOZE_TEMPLATES, RECALL_TEMPLATES, TOPIC, TOPIC_TEMPLATES, VERIFY,
+                                         VERIFY_TEMPLATES, cloze_message, draw_seed_prompts, recall_message,
+                                         topic_message, verify_message)
 from cartridges.selfstudy.synthesize import loop_start
 
 
@@ -216,6 +217,44 @@ def test_cloze_fraction_sets_the_share_of_cloze_among_recall_and_cloze():
     assert 0.15 < recall_only.count(VERIFY) / len(recall_only) < 0.35
     mostly_cloze = [kind for kind, _ in draw_seed_prompts(random.Random(5), 400, 1.0, 0.0, 0.8)]
     assert 0.7 < mostly_cloze.count("cloze") / len(mostly_cloze) < 0.9
+
+
+def test_topic_message_names_words_of_a_sentence_and_answers_with_it_and_the_next():
+    chunk = ("cut off at the start. The breakdown crane Old Marrable lifts 12 tonnes at a radius of 5 "
+             "metres. It stands in the shed at Greyholm, beside the tool van. A short line. "
+             "The crane's driver must hold Grade C. The end is cut")
+    sentences = ["The breakdown crane Old Marrable lifts 12 tonnes at a radius of 5 metres.",
+                 "It stands in the shed at Greyholm, beside the tool van.",
+                 "The crane's driver must hold Grade C."]
+    topics = set()
+    for seed in range(60):
+        message, answer = topic_message(TOPIC_TEMPLATES[0], chunk, random.Random(seed))
+        topic = message.split('"')[1]
+        topics.add(topic)
+        words = topic.split()
+        assert 2 <= len(words) <= 3 and not any(ch.isdigit() for ch in topic)
+        assert words[0].lower() not in ("the", "at", "a", "of") and words[-1].lower() not in ("the", "at", "a", "of")
+        assert "," not in topic and "." not in topic and chunk.count(topic) == 1
+        # The answer: the chunk's text from the sentence that holds the topic to the end of the next one.
+        first = next(s for s in sentences if topic in s)
+        assert answer.startswith(first) and answer in chunk
+        following = sentences[sentences.index(first) + 1:]
+        assert answer.endswith(following[0]) if following else answer == first
+    assert {"breakdown crane", "Old Marrable", "tool van"} <= topics
+    assert "Greyholm beside" not in " ".join(topics)  # no phrase across a comma
+    # No sentence with such a phrase: a recall message instead.
+    message, answer = topic_message(TOPIC_TEMPLATES[0], "cut. It is on at 5 and at 6 but not at 7 or 8 at all. cut",
+                                    random.Random(0))
+    assert message.startswith("Continue this passage") and answer
+
+
+def test_topic_fraction_sets_the_share_of_topic_among_the_written_kinds_but_verify():
+    plain = draw_seed_prompts(random.Random(5), 40, 1.0, 0.25, 0.0)
+    assert draw_seed_prompts(random.Random(5), 40, 1.0, 0.25, 0.0, 0.0) == plain
+    kinds = [kind for kind, _ in draw_seed_prompts(random.Random(5), 800, 1.0, 0.25, 0.0, 0.5)]
+    assert 0.15 < kinds.count(VERIFY) / len(kinds) < 0.35
+    others = [k for k in kinds if k != VERIFY]
+    assert set(others) == {TOPIC, "recall"} and 0.4 < others.count(TOPIC) / len(others) < 0.6
 
 
 @pytest.mark.parametrize("total, start, length", [(1000, 0, 100), (1000, 450, 100), (1000, 900, 100), (400, 150, 100)])

@@ -87,6 +87,22 @@ def test_verify_conversations_ask_yes_or_no_and_the_teacher_scores_the_answer(mo
         torch.testing.assert_close(c.topk_logprobs, values, rtol=1e-4, atol=1e-4)
 
 
+def test_topic_conversations_name_words_of_the_chunk_and_the_teacher_scores_its_sentences(model):
+    config = small_config(written_fraction=1.0, verify_fraction=0.0, topic_fraction=1.0, max_answer_tokens=40)
+    corpus = Corpus.from_texts(model.tokenizer, [TEXT])
+    conversations = synthesize(model, corpus, config)
+    synth = Synthesizer(model, config)
+    assert {c.kind for c in conversations} <= {"topic", "recall"} and "topic" in {c.kind for c in conversations}
+    for c in conversations:
+        if c.kind == "topic":
+            assert c.question.split('"')[1] in c.chunk
+        assert model.tokenizer.decode(c.answer) in c.chunk
+        prompt = synth.prompt(c.window, c.question)
+        logits = model.native.forward(torch.tensor([prompt + c.answer]))[0, len(prompt) - 1 : -1]
+        values, _ = torch.log_softmax(logits, -1).topk(config.top_k, -1)
+        torch.testing.assert_close(c.topk_logprobs, values, rtol=1e-4, atol=1e-4)
+
+
 def test_length_groups_split_short_rows_from_long_ones():
     length_groups = cartridges_core.length_groups
     lengths = [5, 120, 6, 130, 7, 125, 4, 128]

@@ -190,6 +190,12 @@ class TrainConfig(BaseModel):
     the long-corpus defaults?" and the entry after it). A fifth of cloze won back numeric
     questions but not the overall gain on the held-out documents ("Does a fifth of cloze hold
     its tuning gain on the held-out rulebook and almanac?")."""
+    topic_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of the written conversations other than "verify" ones that are "topic": a phrase
+    of two or three words from a sentence of the chunk named ('What does the document say
+    about "crossing cottage"?'), and that sentence with the next one as the answer, scored by
+    the teacher. Users ask about a part of a document by words of it; recall cues it by
+    where a sentence starts."""
     joined_fraction: float = Field(0.0, ge=0.0, le=1.0)
     """Share of the conversations that join two parts of the corpus far apart (their centres
     at least a quarter of it apart, the chunks never overlapping): the message quotes the start of a sentence from each

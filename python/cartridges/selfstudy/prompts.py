@@ -53,9 +53,10 @@ SEED_PROMPTS: dict[str, tuple[str, ...]] = {
 RECALL = "recall"
 CLOZE = "cloze"
 VERIFY = "verify"  # a sentence of the chunk, true or with one number or name swapped: yes or no (verify_fraction)
+TOPIC = "topic"  # a phrase of a sentence named, the sentence and the next one asked for (topic_fraction)
 JOINED = "joined"  # two recalls from distant parts of the corpus in one message (joined_fraction)
-KINDS = (*SEED_PROMPTS, RECALL, CLOZE, VERIFY, JOINED)
-WRITTEN_HERE = (RECALL, CLOZE, VERIFY)  # kinds whose message and answer come from the chunk, not from A and B
+KINDS = (*SEED_PROMPTS, RECALL, CLOZE, VERIFY, TOPIC, JOINED)
+WRITTEN_HERE = (RECALL, CLOZE, VERIFY, TOPIC)  # kinds whose message and answer come from the chunk, not from A and B
 
 # How often each of A's kinds is drawn: weighted toward messages that ask for the facts. A
 # small model as A turns creative and use-case seeds into messages often not about the chunk.
@@ -87,22 +88,34 @@ VERIFY_TEMPLATES = (
     'Does the document say this? "{statement}" Answer yes or no.',
 )
 
-_TEMPLATES = {**SEED_PROMPTS, RECALL: RECALL_TEMPLATES, CLOZE: CLOZE_TEMPLATES, VERIFY: VERIFY_TEMPLATES}
+# Asked the way users ask about a part of a document: by words of it, not by where it starts.
+TOPIC_TEMPLATES = (
+    'What does the document say about "{topic}"?',
+    'Quote what the document says about "{topic}".',
+    'Which passage of the document mentions "{topic}"? Quote it.',
+)
+
+_TEMPLATES = {**SEED_PROMPTS, RECALL: RECALL_TEMPLATES, CLOZE: CLOZE_TEMPLATES, VERIFY: VERIFY_TEMPLATES,
+              TOPIC: TOPIC_TEMPLATES}
 
 
 def draw_seed_prompts(rng: random.Random, n: int, written_fraction: float,
-                      verify_fraction: float = 0.0, cloze_fraction: float = 0.5) -> list[tuple[str, str]]:
+                      verify_fraction: float = 0.0, cloze_fraction: float = 0.5,
+                      topic_fraction: float = 0.0) -> list[tuple[str, str]]:
     """`n` (kind, prompt) pairs: with probability `written_fraction` a written kind (the prompt
     is a template that `written_message` fills in): "verify" with probability
-    `verify_fraction`, else "cloze" with probability `cloze_fraction` and "recall" otherwise;
-    otherwise one of A's kinds drawn by KIND_WEIGHTS; then a prompt of that kind. A
-    `verify_fraction` of 0 draws nothing for it, and a `cloze_fraction` of 0.5 draws as an even
-    choice, so that the other draws are those of a config without them."""
+    `verify_fraction`, else "topic" with probability `topic_fraction`, else "cloze" with
+    probability `cloze_fraction` and "recall" otherwise; otherwise one of A's kinds drawn by
+    KIND_WEIGHTS; then a prompt of that kind. A `verify_fraction` or `topic_fraction` of 0
+    draws nothing for it, and a `cloze_fraction` of 0.5 draws as an even choice, so that the
+    other draws are those of a config without them."""
     a_kinds = tuple(KIND_WEIGHTS)
 
     def written_kind() -> str:
         if verify_fraction > 0 and rng.random() < verify_fraction:
             return VERIFY
+        if topic_fraction > 0 and rng.random() < topic_fraction:
+            return TOPIC
         if cloze_fraction == 0.5:
             return rng.choice((RECALL, CLOZE))
         return CLOZE if rng.random() < cloze_fraction else RECALL
@@ -117,7 +130,7 @@ def draw_seed_prompts(rng: random.Random, n: int, written_fraction: float,
 
 def written_message(kind: str, template: str, chunk_text: str, rng: random.Random) -> tuple[str, str]:
     """The message and answer of a row whose kind is in WRITTEN_HERE."""
-    make = {RECALL: recall_message, CLOZE: cloze_message, VERIFY: verify_message}[kind]
+    make = {RECALL: recall_message, CLOZE: cloze_message, VERIFY: verify_message, TOPIC: topic_message}[kind]
     return make(template, chunk_text, rng)
 
 
@@ -204,6 +217,53 @@ def verify_message(template: str, chunk_text: str, rng: random.Random, min_words
                 statement = sentence[: span.start()] + rng.choice(others) + sentence[span.end() :]
                 answer = "No"
     return template.format(statement=" ".join(statement.split())), answer
+
+
+# Words that do not make a topic on their own: a topic phrase neither starts nor ends with one.
+_FUNCTION_WORDS = frozenset("""
+a an the and or but nor of to in on at by for from with without into onto over under than then
+as is are was were be been being has have had do does did not no it its this that these those
+which who whom whose what when where while if so such each every any all some one may must shall
+should can could will would there their they them he she his her we our you your i after before
+up down out off about between within per via
+""".split())
+
+
+_TOPIC_LINKS = frozenset({"of", "and", "for", "on", "in", "to", "at", "the"})
+
+
+def _is_topic(words: list[str], raw_but_last: list[str]) -> bool:
+    """Whether `words` make a topic phrase: content words at both ends, only a linking word
+    (of, and, the...) between, no number, and no punctuation inside (`raw_but_last`: the words
+    before the last as written)."""
+    return (all(any(ch.isalpha() for ch in w) for w in words) and words[0].lower() not in _FUNCTION_WORDS and words[-1].lower() not in _FUNCTION_WORDS
+            and all(w.lower() not in _FUNCTION_WORDS or w.lower() in _TOPIC_LINKS for w in words[1:-1])
+            and not any(ch.isdigit() for w in words for ch in w)
+            and not any(w[-1] in ".,;:!?)\"'" for w in raw_but_last))
+
+
+def topic_message(template: str, chunk_text: str, rng: random.Random, min_words: int = 6) -> tuple[str, str]:
+    """A "topic" message and its answer: `template` naming a phrase of two or three words from
+    a sentence of the chunk (`_is_topic`, found once in the chunk), drawn at random, and that sentence with the one after it as the answer. A
+    question about a part of a document names words of it; recall cues it by where a sentence
+    starts. Falls back to a recall message when no sentence has such a phrase."""
+    spans = [(m.start(), m.end()) for m in _SENTENCE.finditer(chunk_text)
+             if len(m.group().split()) >= min_words and m.start() > 0 and m.end() < len(chunk_text)]
+    lowered = chunk_text.lower()
+    candidates = []
+    for index, (start, end) in enumerate(spans):
+        raw = chunk_text[start:end].split()
+        words = [w.strip(".,;:!?()\"'*_`#|-[]") for w in raw]
+        for n in (2, 3):
+            for i in range(len(words) - n + 1):
+                phrase = words[i : i + n]
+                if _is_topic(phrase, raw[i : i + n - 1]) and lowered.count(" ".join(phrase).lower()) == 1:
+                    candidates.append((" ".join(phrase), index))
+    if not candidates:
+        return recall_message(RECALL_TEMPLATES[0], chunk_text, rng)
+    topic, index = rng.choice(candidates)
+    start, end = spans[index][0], spans[min(index + 1, len(spans) - 1)][1]
+    return template.format(topic=topic), chunk_text[start:end].strip()
 
 
 # For init="text": KV of text unrelated to any corpus.
