@@ -85,3 +85,17 @@ def test_the_kind_table_shows_the_oracles_gain_in_nats(eval_long, capsys):
         want = kinds[kind]["loglik_per_token"] - doc["conditions"]["none"]["by_kind"][kind]["loglik_per_token"]
         assert float(rows[kind][2]) == pytest.approx(want, abs=0.005)
     assert float(rows["numeric"][2]) < 0.5 < 4 < float(rows["literal"][2])
+
+
+def test_the_access_probe_cues_the_gold_by_its_sentences_first_eight_words(eval_long):
+    spec = importlib.util.spec_from_file_location("probe_recall_access", BENCHMARKS / "probe_recall_access.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    section = ("## 11. Accidents\n\nThe gang is called out at once. It consists of a tool van, a riding van "
+               "for ten men, and the crane known as Old Marrable, which lifts 12 tonnes.")
+    cue, lead = probe.recall_form(section, "Old Marrable")
+    assert cue == "It consists of a tool van, a riding"
+    assert lead == "van for ten men, and the crane known as"
+    assert probe.recall_form(section, "12 tonnes")[0] == cue  # the sentence that holds it, not the first
+    assert probe.recall_form(section, "tool van") is None  # within the cue: nothing to go on with
+    assert probe.recall_form(section, "Tidegate") is None  # not written there
