@@ -195,7 +195,9 @@ class TrainConfig(BaseModel):
     of two or three words from a sentence of the chunk named ('What does the document say
     about "crossing cottage"?'), and that sentence with the next one as the answer, scored by
     the teacher. Users ask about a part of a document by words of it; recall cues it by
-    where a sentence starts."""
+    where a sentence starts. 0 by default: half of the recall conversations as topic ones left
+    both held-out long documents where they were (docs/experiments.md, "Do conversations that
+    reach a sentence by words of it lift the long-corpus defaults?")."""
     joined_fraction: float = Field(0.0, ge=0.0, le=1.0)
     """Share of the conversations that join two parts of the corpus far apart (their centres
     at least a quarter of it apart, the chunks never overlapping): the message quotes the start of a sentence from each
