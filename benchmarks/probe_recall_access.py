@@ -80,11 +80,14 @@ def main() -> None:
                         help="eval_long.py's result for that cartridge (none, oracle and cartridge per question)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    documents = json.loads(args.results.read_text())["documents"]
+    if args.doc not in documents or "cartridge" not in documents[args.doc]["conditions"]:
+        parser.error(f"{args.results} holds no cartridge scores for {args.doc!r} (it has: {', '.join(documents)})")
+    scored = {q["question"]: q for q in documents[args.doc]["per_question"]}
     torch.set_num_threads(args.threads)
     model = cartridges.load_model()
     doc = load_document(args.doc)
     prefix = Cartridge.load(args.cartridge, model).prefix(model)
-    scored = {q["question"]: q for q in json.loads(args.results.read_text())["documents"][args.doc]["per_question"]}
     rows = []
     for q in doc.questions:
         if q.kind == "yes_no" or q.question not in scored:

@@ -187,10 +187,16 @@ def cloze_message(template: str, chunk_text: str, rng: random.Random, min_words:
     return template.format(sentence=blanked), span.group()
 
 
+def _whole_sentence_spans(chunk_text: str, min_words: int) -> list[tuple[int, int]]:
+    """Where the chunk's sentences (or table cell runs) of at least `min_words` words that its
+    edges do not cut lie: [start, end) character spans, in order."""
+    return [(m.start(), m.end()) for m in _SENTENCE.finditer(chunk_text)
+            if len(m.group().split()) >= min_words and m.start() > 0 and m.end() < len(chunk_text)]
+
+
 def _whole_sentences(chunk_text: str, min_words: int) -> list[str]:
     """The chunk's sentences (or table cell runs) of at least `min_words` words that its edges do not cut."""
-    return [m.group().strip() for m in _SENTENCE.finditer(chunk_text)
-            if len(m.group().split()) >= min_words and m.start() > 0 and m.end() < len(chunk_text)]
+    return [chunk_text[start:end].strip() for start, end in _whole_sentence_spans(chunk_text, min_words)]
 
 
 def verify_message(template: str, chunk_text: str, rng: random.Random, min_words: int = 6) -> tuple[str, str]:
@@ -236,19 +242,20 @@ def _is_topic(words: list[str], raw_but_last: list[str]) -> bool:
     """Whether `words` make a topic phrase: content words at both ends, only a linking word
     (of, and, the...) between, no number, and no punctuation inside (`raw_but_last`: the words
     before the last as written)."""
-    return (all(any(ch.isalpha() for ch in w) for w in words) and words[0].lower() not in _FUNCTION_WORDS and words[-1].lower() not in _FUNCTION_WORDS
-            and all(w.lower() not in _FUNCTION_WORDS or w.lower() in _TOPIC_LINKS for w in words[1:-1])
-            and not any(ch.isdigit() for w in words for ch in w)
+    lowered = [w.lower() for w in words]
+    return (all(any(ch.isalpha() for ch in w) for w in words) and not any(ch.isdigit() for w in words for ch in w)
+            and lowered[0] not in _FUNCTION_WORDS and lowered[-1] not in _FUNCTION_WORDS
+            and all(w not in _FUNCTION_WORDS or w in _TOPIC_LINKS for w in lowered[1:-1])
             and not any(w[-1] in ".,;:!?)\"'" for w in raw_but_last))
 
 
 def topic_message(template: str, chunk_text: str, rng: random.Random, min_words: int = 6) -> tuple[str, str]:
     """A "topic" message and its answer: `template` naming a phrase of two or three words from
-    a sentence of the chunk (`_is_topic`, found once in the chunk), drawn at random, and that sentence with the one after it as the answer. A
+    a whole sentence of the chunk (`_is_topic`, found once in the chunk), drawn at random, and
+    the chunk's text from that sentence to the end of the next whole one as the answer. A
     question about a part of a document names words of it; recall cues it by where a sentence
     starts. Falls back to a recall message when no sentence has such a phrase."""
-    spans = [(m.start(), m.end()) for m in _SENTENCE.finditer(chunk_text)
-             if len(m.group().split()) >= min_words and m.start() > 0 and m.end() < len(chunk_text)]
+    spans = _whole_sentence_spans(chunk_text, min_words)
     lowered = chunk_text.lower()
     candidates = []
     for index, (start, end) in enumerate(spans):
