@@ -10,9 +10,9 @@ import pytest
 from cartridges.selfstudy import TrainConfig
 from cartridges.selfstudy.chunking import Span, even_spans, named_texts, part_of, part_view, partner_chunk, plan_views
 from cartridges.selfstudy.config import LONG_CORPUS_TOKENS, default_num_samples, default_num_tokens
-from cartridges.selfstudy.prompts import (CLOZE_TEMPLATES, RECALL_TEMPLATES, TOPIC, TOPIC_TEMPLATES, VERIFY,
-                                         VERIFY_TEMPLATES, cloze_message, draw_seed_prompts, recall_message,
-                                         topic_message, verify_message)
+from cartridges.selfstudy.prompts import (CLOZE_TEMPLATES, FACT, FACT_TEMPLATES, RECALL_TEMPLATES, TOPIC,
+                                         TOPIC_TEMPLATES, VERIFY, VERIFY_TEMPLATES, cloze_message, draw_seed_prompts,
+                                         fact_message, recall_message, topic_message, verify_message)
 from cartridges.selfstudy.synthesize import loop_start
 
 
@@ -255,6 +255,41 @@ def test_topic_fraction_sets_the_share_of_topic_among_the_written_kinds_but_veri
     assert 0.15 < kinds.count(VERIFY) / len(kinds) < 0.35
     others = [k for k in kinds if k != VERIFY]
     assert set(others) == {TOPIC, "recall"} and 0.4 < others.count(TOPIC) / len(others) < 0.6
+
+
+def test_fact_message_asks_for_one_number_or_name_and_answers_with_it_then_the_sentence():
+    chunk = ("cut off at the start. The census of 615 CR counted 38,950 people on Orrisk. "
+             "Below the Moothall lies the Cindervault, the League's archive, founded in 307 CR by Ysolde Krane. "
+             "The Council of the Lamps meets twice a year. The end is cut")
+    sentences = ["The census of 615 CR counted 38,950 people on Orrisk.",
+                 "Below the Moothall lies the Cindervault, the League's archive, founded in 307 CR by Ysolde Krane.",
+                 "The Council of the Lamps meets twice a year."]
+    asked = {}
+    for seed in range(80):
+        message, answer = fact_message(FACT_TEMPLATES[0], chunk, random.Random(seed))
+        assert message.startswith("According to the document, ") and message.endswith("?")
+        fact, sentence = answer.split(". ", 1)
+        assert sentence in sentences and fact in sentence  # the fact first, then its sentence
+        asked[fact] = message.removeprefix("According to the document, ")
+    assert asked["38,950 people"] == "the census of 615 CR counted how many people on Orrisk?"
+    assert asked["615"] == "the census of what CR counted 38,950 people on Orrisk?"
+    # A long sentence is asked by its first clause and the fact's clause, the words between left out.
+    assert asked["307"] == "Below the Moothall lies the Cindervault, founded in what year CR by Ysolde Krane?"
+    assert asked["Ysolde Krane"] == "Below the Moothall lies the Cindervault, founded in 307 CR by what?"
+    assert "Lamps" not in asked  # the last word of a name ("Council of the Lamps") is not a name of its own
+    assert "Moothall" in asked and "Orrisk" in asked
+    # No sentence with a number or name: a recall message instead.
+    message, answer = fact_message(FACT_TEMPLATES[1], "cut. it is on at noon and off at dusk but not all day. cut",
+                                   random.Random(0))
+    assert message.startswith("Continue this passage") and answer
+
+
+def test_fact_fraction_sets_the_share_of_fact_among_the_written_kinds_but_verify():
+    plain = draw_seed_prompts(random.Random(5), 40, 1.0, 0.25, 0.0)
+    assert draw_seed_prompts(random.Random(5), 40, 1.0, 0.25, 0.0, 0.0, 0.0) == plain
+    kinds = [kind for kind, _ in draw_seed_prompts(random.Random(5), 800, 1.0, 0.25, 0.0, 0.0, 0.5)]
+    others = [k for k in kinds if k != VERIFY]
+    assert set(others) == {FACT, "recall"} and 0.4 < others.count(FACT) / len(others) < 0.6
 
 
 @pytest.mark.parametrize("total, start, length", [(1000, 0, 100), (1000, 450, 100), (1000, 900, 100), (400, 150, 100)])

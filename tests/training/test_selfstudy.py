@@ -72,30 +72,32 @@ def test_teacher_topk_equals_window_in_context(model):
         assert c.chunk not in model.tokenizer.decode(data.tokens[row].tolist())
 
 
-def test_verify_conversations_ask_yes_or_no_and_the_teacher_scores_the_answer(model):
-    config = small_config(written_fraction=1.0, verify_fraction=1.0)
+def _verify_row(tok, c):
+    assert c.question.endswith("Answer yes or no.")
+    assert tok.decode(c.answer) in ("Yes", "No")
+
+
+def _topic_row(tok, c):
+    assert c.question.split('"')[1] in c.chunk  # the topic (or, for a chunk without one, a recall cue)
+    assert tok.decode(c.answer) in c.chunk  # the sentences that hold it
+
+
+def _fact_row(tok, c):
+    assert c.question.endswith("?") or c.question.startswith("Continue")  # a chunk without a fact: recall
+    assert tok.decode(c.answer).split(". ", 1)[0] in c.chunk  # the fact first
+
+
+@pytest.mark.parametrize("kind, fraction, check", [("verify", "verify_fraction", _verify_row),
+                                                   ("topic", "topic_fraction", _topic_row),
+                                                   ("fact", "fact_fraction", _fact_row)])
+def test_written_kinds_take_their_answer_from_the_chunk_and_the_teacher_scores_it(model, kind, fraction, check):
+    config = small_config(written_fraction=1.0, **{"verify_fraction": 0.0, fraction: 1.0}, max_answer_tokens=40)
     corpus = Corpus.from_texts(model.tokenizer, [TEXT])
     conversations = synthesize(model, corpus, config)
     synth = Synthesizer(model, config)
-    assert {c.kind for c in conversations} == {"verify"}
+    assert {c.kind for c in conversations} == {kind}
     for c in conversations:
-        assert c.question.endswith("Answer yes or no.")
-        assert model.tokenizer.decode(c.answer) in ("Yes", "No")
-        prompt = synth.prompt(c.window, c.question)
-        logits = model.native.forward(torch.tensor([prompt + c.answer]))[0, len(prompt) - 1 : -1]
-        values, _ = torch.log_softmax(logits, -1).topk(config.top_k, -1)
-        torch.testing.assert_close(c.topk_logprobs, values, rtol=1e-4, atol=1e-4)
-
-
-def test_topic_conversations_name_words_of_the_chunk_and_the_teacher_scores_its_sentences(model):
-    config = small_config(written_fraction=1.0, verify_fraction=0.0, topic_fraction=1.0, max_answer_tokens=40)
-    corpus = Corpus.from_texts(model.tokenizer, [TEXT])
-    conversations = synthesize(model, corpus, config)
-    synth = Synthesizer(model, config)
-    assert {c.kind for c in conversations} == {"topic"}
-    for c in conversations:
-        assert c.question.split('"')[1] in c.chunk  # the topic (or, for a chunk without one, a recall cue)
-        assert model.tokenizer.decode(c.answer) in c.chunk
+        check(model.tokenizer, c)
         prompt = synth.prompt(c.window, c.question)
         logits = model.native.forward(torch.tensor([prompt + c.answer]))[0, len(prompt) - 1 : -1]
         values, _ = torch.log_softmax(logits, -1).topk(config.top_k, -1)

@@ -198,6 +198,14 @@ class TrainConfig(BaseModel):
     where a sentence starts. 0 by default: half of the recall conversations as topic ones left
     both held-out long documents where they were (docs/experiments.md, "Do conversations that
     reach a sentence by words of it lift the long-corpus defaults?")."""
+    fact_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of the written conversations other than "verify" and "topic" ones that are
+    "fact": a question about one number or name of a sentence of the chunk, written from the
+    sentence (its first clause and the one that holds the fact, the fact replaced by "what",
+    "how many <noun>", "what year"...), answered with the fact and then the sentence, scored
+    by the teacher. Users ask for one fact in their own words and want it first; recall and
+    cloze messages quote the sentence. 0 by default (docs/experiments.md, "Do questions
+    written from sentences lift the long-corpus defaults?")."""
     joined_fraction: float = Field(0.0, ge=0.0, le=1.0)
     """Share of the conversations that join two parts of the corpus far apart (their centres
     at least a quarter of it apart, the chunks never overlapping): the message quotes the start of a sentence from each

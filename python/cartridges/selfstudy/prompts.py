@@ -54,9 +54,10 @@ RECALL = "recall"
 CLOZE = "cloze"
 VERIFY = "verify"  # a sentence of the chunk, true or with one number or name swapped: yes or no (verify_fraction)
 TOPIC = "topic"  # a phrase of a sentence named, the sentence and the next one asked for (topic_fraction)
+FACT = "fact"  # a question about one number or name of a sentence, answered with it and the sentence (fact_fraction)
 JOINED = "joined"  # two recalls from distant parts of the corpus in one message (joined_fraction)
-KINDS = (*SEED_PROMPTS, RECALL, CLOZE, VERIFY, TOPIC, JOINED)
-WRITTEN_HERE = (RECALL, CLOZE, VERIFY, TOPIC)  # kinds whose message and answer come from the chunk, not from A and B
+KINDS = (*SEED_PROMPTS, RECALL, CLOZE, VERIFY, TOPIC, FACT, JOINED)
+WRITTEN_HERE = (RECALL, CLOZE, VERIFY, TOPIC, FACT)  # kinds whose message and answer come from the chunk, not from A and B
 
 # How often each of A's kinds is drawn: weighted toward messages that ask for the facts. A
 # small model as A turns creative and use-case seeds into messages often not about the chunk.
@@ -95,20 +96,27 @@ TOPIC_TEMPLATES = (
     'Which passage of the document mentions "{topic}"? Quote it.',
 )
 
+# Asked the way users ask for one fact, and answered the way they want it: the fact first.
+FACT_TEMPLATES = (
+    "According to the document, {question}",
+    "{question}",
+)
+
 _TEMPLATES = {**SEED_PROMPTS, RECALL: RECALL_TEMPLATES, CLOZE: CLOZE_TEMPLATES, VERIFY: VERIFY_TEMPLATES,
-              TOPIC: TOPIC_TEMPLATES}
+              TOPIC: TOPIC_TEMPLATES, FACT: FACT_TEMPLATES}
 
 
 def draw_seed_prompts(rng: random.Random, n: int, written_fraction: float,
                       verify_fraction: float = 0.0, cloze_fraction: float = 0.5,
-                      topic_fraction: float = 0.0) -> list[tuple[str, str]]:
+                      topic_fraction: float = 0.0, fact_fraction: float = 0.0) -> list[tuple[str, str]]:
     """`n` (kind, prompt) pairs: with probability `written_fraction` a written kind (the prompt
     is a template that `written_message` fills in): "verify" with probability
-    `verify_fraction`, else "topic" with probability `topic_fraction`, else "cloze" with
-    probability `cloze_fraction` and "recall" otherwise; otherwise one of A's kinds drawn by
-    KIND_WEIGHTS; then a prompt of that kind. A `verify_fraction` or `topic_fraction` of 0
-    draws nothing for it, and a `cloze_fraction` of 0.5 draws as an even choice, so that the
-    other draws are those of a config without them."""
+    `verify_fraction`, else "topic" with probability `topic_fraction`, else "fact" with
+    probability `fact_fraction`, else "cloze" with probability `cloze_fraction` and "recall"
+    otherwise; otherwise one of A's kinds drawn by KIND_WEIGHTS; then a prompt of that kind. A
+    `verify_fraction`, `topic_fraction` or `fact_fraction` of 0 draws nothing for it, and a
+    `cloze_fraction` of 0.5 draws as an even choice, so that the other draws are those of a
+    config without them."""
     a_kinds = tuple(KIND_WEIGHTS)
 
     def written_kind() -> str:
@@ -116,6 +124,8 @@ def draw_seed_prompts(rng: random.Random, n: int, written_fraction: float,
             return VERIFY
         if topic_fraction > 0 and rng.random() < topic_fraction:
             return TOPIC
+        if fact_fraction > 0 and rng.random() < fact_fraction:
+            return FACT
         if cloze_fraction == 0.5:
             return rng.choice((RECALL, CLOZE))
         return CLOZE if rng.random() < cloze_fraction else RECALL
@@ -130,7 +140,8 @@ def draw_seed_prompts(rng: random.Random, n: int, written_fraction: float,
 
 def written_message(kind: str, template: str, chunk_text: str, rng: random.Random) -> tuple[str, str]:
     """The message and answer of a row whose kind is in WRITTEN_HERE."""
-    make = {RECALL: recall_message, CLOZE: cloze_message, VERIFY: verify_message, TOPIC: topic_message}[kind]
+    make = {RECALL: recall_message, CLOZE: cloze_message, VERIFY: verify_message, TOPIC: topic_message,
+            FACT: fact_message}[kind]
     return make(template, chunk_text, rng)
 
 
@@ -271,6 +282,61 @@ def topic_message(template: str, chunk_text: str, rng: random.Random, min_words:
     topic, index = rng.choice(candidates)
     start, end = spans[index][0], spans[min(index + 1, len(spans) - 1)][1]
     return template.format(topic=topic), chunk_text[start:end].strip()
+
+
+_YEAR_LEAD = frozenset({"in", "since", "until", "till", "by", "before", "after", "from"})
+_NAME_TAIL = re.compile(r"[A-Z][a-z]+ of (?:the )?$")  # "Council of the" Lamps: a name's last word, not a name
+_CLAUSE_BREAK = re.compile(r",\s|;\s|\s[—–]\s|:\s")
+
+
+def _question_phrase(sentence: str, span: re.Match) -> tuple[str, int, int]:
+    """What a question asks in place of the cloze span `span` of `sentence`, and the answer's
+    [start, end) there: "how many <noun>" for a number before a lowercase word (the noun joins
+    the answer: "38,950 people"), "what percentage" for a share, "what year" for a number after
+    "in", "since"... and "what" otherwise (a name, a bare number)."""
+    text, start, end = span.group(), span.start(), span.end()
+    if not text[0].isdigit():
+        return "what", start, end
+    if text.endswith("%"):
+        return "what percentage", start, end
+    following = re.match(r"\s([a-z][a-z-]*)\b", sentence[end:])
+    if following and following.group(1) not in _FUNCTION_WORDS:
+        return f"how many {following.group(1)}", start, end + following.end()
+    before = sentence[:start].split()
+    if before and before[-1].lower() in _YEAR_LEAD and re.fullmatch(r"\d{1,4}", text):
+        return "what year", start, end
+    return "what", start, end
+
+
+def fact_message(template: str, chunk_text: str, rng: random.Random, min_words: int = 6) -> tuple[str, str]:
+    """A "fact" message and its answer: a question about one number or name (a cloze span) of a
+    whole sentence of the chunk, written from the sentence: its first clause and the clause
+    that holds the span, the span replaced by a question word (`_question_phrase`); the answer
+    is the span, then the sentence ("38,950 people. The census of 615 CR counted 38,950 people
+    on Orrisk."). A user asks for one fact in fewer words than the sentence and wants it first;
+    recall and cloze quote the sentence. Falls back to a recall message when no sentence has a
+    span."""
+    candidates = [(sentence, span) for sentence in _whole_sentences(chunk_text, min_words)
+                  for span in _CLOZE_SPAN.finditer(sentence)
+                  if span.start() > 0 and not _NAME_TAIL.search(sentence[: span.start()])]
+    if not candidates:
+        return recall_message(RECALL_TEMPLATES[0], chunk_text, rng)
+    sentence, span = rng.choice(candidates)
+    phrase, start, end = _question_phrase(sentence, span)
+    asked = sentence[:start] + phrase + sentence[end:]
+    # The clauses of `asked` as [start, end) spans; the question phrase starts at `start`.
+    cuts = list(_CLAUSE_BREAK.finditer(asked))
+    clauses = list(zip([0, *(m.end() for m in cuts)], [*(m.start() for m in cuts), len(asked)]))
+    own = max(i for i, (s, _) in enumerate(clauses) if s <= start)
+    if own == 0 or len(asked[slice(*clauses[own])].split()) < 4:
+        question = asked
+    else:
+        question = asked[slice(*clauses[0])] + ", " + asked[slice(*clauses[own])]
+    question = " ".join(question.rstrip(" .!?;:,").split()) + "?"
+    words = question.split(" ", 1)
+    if template.startswith("According") and words[0].lower() in _FUNCTION_WORDS:
+        question = words[0].lower() + " " + words[1]
+    return template.format(question=question), f"{sentence[start:end]}. {' '.join(sentence.split())}"
 
 
 # For init="text": KV of text unrelated to any corpus.

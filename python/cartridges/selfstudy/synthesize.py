@@ -195,7 +195,7 @@ class Synthesizer:
         return out
 
     def batch(self, corpus: Corpus, view: BatchView, rng: random.Random, n: int) -> list[Conversation]:
-        """`n` conversations. Written ones (recall, cloze, verify, topic) take their message and answer from the
+        """`n` conversations. Written ones (recall, cloze, verify, topic, fact) take their message and answer from the
         view's chunk, and B scores the answer; for the others A writes a message about the chunk
         and B answers it, both with the view's window in context, its answer cut where it loops.
         Joined ones (config.joined_fraction) quote the chunk and a distant one, and B scores
@@ -203,7 +203,7 @@ class Synthesizer:
         cfg = self.config
         chunk_text = self.tok.decode(corpus.tokens[view.chunk.start : view.chunk.end])
         seeds = draw_seed_prompts(rng, n, cfg.written_fraction, cfg.verify_fraction, cfg.cloze_fraction,
-                                  cfg.topic_fraction)
+                                  cfg.topic_fraction, cfg.fact_fraction)
         a_seeds = [rng.getrandbits(31) for _ in range(n)]
         questions, written = [""] * n, {}  # written: row -> its answer, from the chunk
         joined = self._joined_rows(corpus, view, rng, n)  # rows that join the chunk with a distant one
