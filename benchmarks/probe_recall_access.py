@@ -33,29 +33,26 @@ import torch
 
 import cartridges
 from cartridges.cartridge import Cartridge
-from cartridges.selfstudy.prompts import RECALL_TEMPLATES, SYSTEM_PROMPT
+from cartridges.selfstudy.prompts import RECALL_CUE_WORDS, RECALL_TEMPLATES, SENTENCE_START, SYSTEM_PROMPT
 from cartridges.selfstudy.synthesize import student_tokens
 from eval_long import load_document
-from evaluation import token_logprobs
-
-CUE_WORDS = 8  # as recall_message cues
-_SENTENCE_START = re.compile(r"(?:^|(?<=[.!?:;|\n]))\s*(?=[A-Z0-9])")
+from evaluation import recovered, token_logprobs
 
 
 def recall_form(section: str, gold: str) -> tuple[str, str] | None:
-    """(cue, lead): the first CUE_WORDS words of the sentence in `section` that holds the first
-    occurrence of `gold`, and the text between the cue and the gold; None when `gold` is not
-    written there or lies within the cue."""
+    """(cue, lead): the first RECALL_CUE_WORDS words of the sentence in `section` that holds
+    the first occurrence of `gold`, and the text between the cue and the gold; None when `gold`
+    is not written there or lies within the cue."""
     found = re.search(r"\b" + re.escape(gold) + r"\b", section)
     if not found:
         return None
-    starts = [s.end() for s in _SENTENCE_START.finditer(section) if s.end() <= found.start()]
+    starts = [s.end() for s in SENTENCE_START.finditer(section) if s.end() <= found.start()]
     if not starts:
         return None
     words = list(re.finditer(r"\S+", section[starts[-1] : found.start()]))
-    if len(words) <= CUE_WORDS:
+    if len(words) <= RECALL_CUE_WORDS:
         return None
-    cue_end = starts[-1] + words[CUE_WORDS - 1].end()
+    cue_end = starts[-1] + words[RECALL_CUE_WORDS - 1].end()
     return " ".join(section[starts[-1] : cue_end].split()), section[cue_end : found.start()].strip()
 
 
@@ -66,10 +63,6 @@ def gold_logprob(model, prompt: list[int], lead: str, gold: str, prefixes: list)
     n_gold = len(answer) - (len(tok.encode(lead)) if lead else 0)
     tokens = prompt + answer
     return float(token_logprobs(model, tokens, prefixes)[len(tokens) - 1 - n_gold :].sum())
-
-
-def share(value: float, none: float, full: float) -> float:
-    return (value - none) / (full - none)
 
 
 def main() -> None:
@@ -105,8 +98,8 @@ def main() -> None:
         full = gold_logprob(model, teacher, lead, q.answer, [])
         s = scored[q.question]
         rows.append(dict(kind=q.kind, gold=q.answer, none=none, cartridge=cart, teacher=full,
-                         recall=share(cart, none, full), question_gain=s["oracle"]["loglik"] - s["none"]["loglik"],
-                         question=share(s["cartridge"]["loglik"], s["none"]["loglik"], s["oracle"]["loglik"])))
+                         recall=recovered(cart, none, full), question_gain=s["oracle"]["loglik"] - s["none"]["loglik"],
+                         question=recovered(s["cartridge"]["loglik"], s["none"]["loglik"], s["oracle"]["loglik"])))
     print("| kind | gold | recall form: none / cartridge / in context | recovered, recall form | question form |")
     print("|---|---|---|---|---|")
     for r in rows:

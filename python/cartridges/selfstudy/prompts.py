@@ -145,16 +145,17 @@ def written_message(kind: str, template: str, chunk_text: str, rng: random.Rando
     return make(template, chunk_text, rng)
 
 
-_SENTENCE_START = re.compile(r"(?:^|(?<=[.!?:;|\n]))\s*(?=[A-Z0-9])")
+SENTENCE_START = re.compile(r"(?:^|(?<=[.!?:;|\n]))\s*(?=[A-Z0-9])")  # where a sentence, line or table cell starts
+RECALL_CUE_WORDS = 8  # the words of a sentence a recall message quotes
 
 
-def recall_message(template: str, chunk_text: str, rng: random.Random, cue_words: int = 8,
+def recall_message(template: str, chunk_text: str, rng: random.Random, cue_words: int = RECALL_CUE_WORDS,
                    min_rest_words: int = 12) -> tuple[str, str]:
     """A "recall" message and its answer: `template` with the first `cue_words` words of a
     sentence (or line, or table cell) of the chunk, drawn at random among those followed by at
     least `min_rest_words` more words, and the chunk's text after the cue."""
     candidates = []
-    for match in _SENTENCE_START.finditer(chunk_text):
+    for match in SENTENCE_START.finditer(chunk_text):
         words = list(re.finditer(r"\S+", chunk_text[match.end() :]))
         if len(words) >= cue_words + min_rest_words:
             cue_end = match.end() + words[cue_words - 1].end()
