@@ -206,9 +206,12 @@ class TrainConfig(BaseModel):
     by the teacher. Users ask for one fact in their own words and want it first; recall and
     cloze messages quote the sentence. 0 by default: at 0.5 the tuning atlas rose from 0.54
     to 0.71 of the oracle's gain and the held-out rulebook by 0.02-0.04, while the held-out
-    almanac fell under one seed of two (0.66 to 0.48, its yes/no replies starting with "- ")
-    (docs/experiments.md, "Do questions written from sentences lift the long-corpus
-    defaults?")."""
+    almanac fell under one seed of two (0.66 to 0.48, its yes/no replies starting with "- ");
+    at 0.25 the atlas rose to 0.66 and the almanac under both seeds (two-seed mean 0.65 to
+    0.69), while the rulebook fell (0.62 to 0.60, one section at 0.27), its paraphrase
+    questions down under both seeds (docs/experiments.md, "Do questions written from sentences
+    lift the long-corpus defaults?" and "Does a quarter of fact conversations lift the
+    long-corpus defaults?")."""
     joined_fraction: float = Field(0.0, ge=0.0, le=1.0)
     """Share of the conversations that join two parts of the corpus far apart (their centres
     at least a quarter of it apart, the chunks never overlapping): the message quotes the start of a sentence from each
