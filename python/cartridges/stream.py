@@ -70,6 +70,7 @@ class Stream:
         self._decoder = decoder
         self._stop_tokens = set(stop_tokens)
         self._stop = [s for s in stop if s]
+        self._keep = max((len(s) for s in self._stop), default=1) - 1  # text held back: could start a stop
         self._held = ""  # decoded text not released yet (could start a stop sequence)
         self._events: collections.deque = collections.deque()
         self._condition = condition or threading.Condition()
@@ -131,8 +132,7 @@ class Stream:
             self._end("stop", None)
             self._engine.native.cancel(self.id)
             return released
-        keep = max((len(s) for s in self._stop), default=1) - 1  # could be the start of a stop
-        cut = len(self._held) - keep
+        cut = len(self._held) - self._keep
         released, self._held = self._held[:cut], self._held[cut:]
         self.text += released
         return released

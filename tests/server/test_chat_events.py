@@ -26,8 +26,27 @@ class FailingStream:
         self.closed = True
 
 
+class FinishingStream:
+    """Two wake-ups' worth of tokens (the second brings two), then the end."""
+
+    finish_reason = None
+    error = None
+    tokens = [5, 6, 7]
+
+    async def batches(self):
+        yield [Delta("Hel", token=5)]
+        yield [Delta("lo", token=6), Delta(" w", token=7)]
+        self.finish_reason = "stop"
+
+    def close(self) -> None:
+        self.closed = True
+
+
 class FakeAnswer:
     first_token_at = None
+
+    def __init__(self, top_logprobs: int | None = None) -> None:
+        self.plan = type("Plan", (), {"top_logprobs": top_logprobs})()  # set: the general path
 
     def chunk(self, choices, usage=None, with_usage=False, extra=None) -> bytes:
         return ("data: " + json.dumps({"choices": choices, **(extra or {})}) + "\n\n").encode()
@@ -45,13 +64,19 @@ class FakeAnswer:
         return {}
 
 
-def test_an_engine_failure_mid_stream_is_an_error_event() -> None:
-    stream = FailingStream()
-
+def collect_events(stream, answer: FakeAnswer) -> list[bytes]:
     async def run() -> list[bytes]:
-        return [e async for e in events([stream], FakeAnswer(), False, asyncio.Event())]
+        return [e async for e in events([stream], answer, False, asyncio.Event())]
 
-    out = asyncio.run(run())
+    return asyncio.run(run())
+
+
+# One text-only choice takes a path of its own (the per-token cost); logprobs take the general one.
+@pytest.mark.parametrize("top_logprobs", [None, 2])
+def test_an_engine_failure_mid_stream_is_an_error_event(top_logprobs: int | None) -> None:
+    stream = FailingStream()
+    out = collect_events(stream, FakeAnswer(top_logprobs))
+
     bodies = [json.loads(e.decode().removeprefix("data: ")) for e in out]
     assert bodies[0]["choices"][0]["delta"]["role"] == "assistant"
     assert bodies[1]["choices"][0]["delta"]["content"] == "Hel"  # what came before the failure is sent
@@ -59,6 +84,18 @@ def test_an_engine_failure_mid_stream_is_an_error_event() -> None:
     assert error == {"message": "The engine failed while generating.", "type": "server_error", "param": None,
                      "code": "internal_error"}  # no engine internals reach the client
     assert b"[DONE]" not in b"".join(out) and stream.closed
+
+
+def test_one_text_choice_streams_the_events_of_the_general_path() -> None:
+    """The one-choice path sends what the general path sends: the role, each wake-up's text as
+    one chunk, the finish reason, [DONE]."""
+    direct, general = FakeAnswer(None), FakeAnswer(2)
+    out = collect_events(FinishingStream(), direct)
+    assert out == collect_events(FinishingStream(), general)
+    texts = [json.loads(e.decode().removeprefix("data: "))["choices"][0]["delta"] for e in out[:-1]]
+    assert texts == [{"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo w"}, {}]
+    assert out[-1] == b"data: [DONE]\n\n"
+    assert direct.first_token_at is not None and general.first_token_at is not None
 
 
 class TinyChatTokenizer:

@@ -307,9 +307,10 @@ async def collect(streams: list[Stream], answer: Answer, disconnected: asyncio.E
 
 # Longer than 60 lines: the event order (one choice per chunk, usage last) and the merging of
 # what arrived together share the response's state.
-async def events(streams: list[Stream], answer: Answer, include_usage: bool,
-                 disconnected: asyncio.Event) -> AsyncIterator[bytes]:
-    """The server-sent events of a streamed completion, ending with `data: [DONE]`.
+async def events(streams: list[Stream], answer: Answer, include_usage: bool, disconnected: asyncio.Event,
+                 on_end: Callable[[], None] | None = None) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed completion, ending with `data: [DONE]`; `on_end`
+    is called once they end, however they end.
 
     As OpenAI streams `n` > 1: every chunk carries exactly one choice, its `index` saying which;
     a choice's first chunk brings the role, its last (a chunk of its own) the finish reason; the
@@ -331,6 +332,25 @@ async def events(streams: list[Stream], answer: Answer, include_usage: bool,
     try:
         for index in range(len(streams)):  # the retrieved passages, once, on the very first chunk
             yield one(index, {"role": "assistant", "content": ""}, extra=answer.retrieval() if index == 0 else None)
+        if len(streams) == 1 and answer.plan.top_logprobs is None:
+            # Nearly every request: one choice, text only. Its batches go out as they come, one
+            # generator fewer per event than the general path below (the HTTP layer's cost per
+            # token: benchmarks/README.md, "The HTTP layer's cost per step").
+            try:
+                async with contextlib.aclosing(streams[0].batches()) as batches:
+                    async for deltas in batches:
+                        if answer.first_token_at is None and any(d.token is not None for d in deltas):
+                            answer.first_token_at = time.monotonic()
+                        if text := "".join(delta.text for delta in deltas):
+                            yield answer.content_chunk(0, text, with_usage=include_usage)
+                yield one(0, {}, finish_reason=_finish_reason(streams[0]))
+            except Exception as error:  # noqa: BLE001 - sent to the client as an error event
+                yield _error_event(error)
+                return
+            if include_usage:
+                yield answer.chunk([], answer.usage(streams), with_usage=True)
+            yield sse_event("[DONE]")
+            return
         remaining = len(streams)
         while remaining:
             batch = await anext(arrivals)
@@ -373,6 +393,8 @@ async def events(streams: list[Stream], answer: Answer, include_usage: bool,
         watcher.cancel()
         await arrivals.aclose()
         await asyncio.gather(watcher, return_exceptions=True)
+        if on_end is not None:
+            on_end()
 
 
 Arrival = tuple[int, Delta | BaseException | None]  # a choice's delta, its end (None) or its failure

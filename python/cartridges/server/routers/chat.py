@@ -47,6 +47,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     watcher = asyncio.ensure_future(_watch_disconnect(request, disconnected))
 
     def observe() -> None:
+        watcher.cancel()
         usage = answer.usage(streams)
         metrics.observe_chat(prompt_tokens=usage["prompt_tokens"], cached_tokens=plan.cartridge_tokens,
                              completion_tokens=usage["completion_tokens"], started=answer.started,
@@ -55,15 +56,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        async def stream_events() -> Any:
-            try:
-                async for event in completions.events(streams, answer, include_usage, disconnected):
-                    yield event
-            finally:
-                watcher.cancel()
-                observe()
-
-        return EventSourceResponse(stream_events(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        events = completions.events(streams, answer, include_usage, disconnected, on_end=observe)
+        return EventSourceResponse(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     try:
         result = await completions.collect(streams, answer, disconnected)
@@ -71,7 +65,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         log.error("generation failed: %s", error)
         raise APIError(500, "The engine failed while generating.") from None
     finally:
-        watcher.cancel()
         observe()
     if result is None:  # the client is gone; nobody reads this
         return JSONResponse({}, status_code=499)
