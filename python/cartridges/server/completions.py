@@ -347,11 +347,9 @@ async def events(streams: list[Stream], answer: Answer, include_usage: bool, dis
             except Exception as error:  # noqa: BLE001 - sent to the client as an error event
                 yield _error_event(error)
                 return
-            if include_usage:
-                yield answer.chunk([], answer.usage(streams), with_usage=True)
-            yield sse_event("[DONE]")
-            return
-        remaining = len(streams)
+            remaining = 0
+        else:
+            remaining = len(streams)
         while remaining:
             batch = await anext(arrivals)
             merged: dict[int, dict[str, Any]] = {}
@@ -391,10 +389,10 @@ async def events(streams: list[Stream], answer: Answer, include_usage: bool, dis
         for stream in streams:
             stream.close()
         watcher.cancel()
+        if on_end is not None:  # before the awaits below, which a cancellation may cut short
+            on_end()
         await arrivals.aclose()
         await asyncio.gather(watcher, return_exceptions=True)
-        if on_end is not None:
-            on_end()
 
 
 Arrival = tuple[int, Delta | BaseException | None]  # a choice's delta, its end (None) or its failure
