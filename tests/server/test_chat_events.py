@@ -9,7 +9,7 @@ import json
 import pytest
 
 from cartridges.stream import Delta, GenerationError
-from cartridges.server.completions import Answer, Plan, events
+from cartridges.server.completions import Answer, EventStream, Plan, events
 
 
 class FailingStream:
@@ -96,6 +96,51 @@ def test_one_text_choice_streams_the_events_of_the_general_path() -> None:
     assert texts == [{"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo w"}, {}]
     assert out[-1] == b"data: [DONE]\n\n"
     assert direct.first_token_at is not None and general.first_token_at is not None
+
+
+def respond(stream, start_send_waits: bool, client_gone: bool) -> tuple[list[str], list[int]]:
+    """Runs a streamed completion's response as the server would (ASGI 2.3, whose streaming
+    response listens for the disconnect beside the stream): the ASGI messages sent, and the
+    calls of `on_end`."""
+    ended: list[int] = []
+    sent: list[str] = []
+
+    async def run() -> None:
+        response = EventStream([stream], FakeAnswer(), False, asyncio.Event(), on_end=lambda: ended.append(1))
+        gone = asyncio.Event()
+        if client_gone:
+            gone.set()
+
+        async def receive() -> dict:
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            if start_send_waits and message["type"] == "http.response.start":
+                await asyncio.sleep(0.05)  # as a send to a full socket does
+            sent.append(message["type"])
+            if message.get("more_body") is False:
+                gone.set()
+
+        await response({"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST"}, receive, send)
+
+    asyncio.run(run())
+    return sent, ended
+
+
+def test_a_streamed_response_ends_its_streams_once_however_it_ends() -> None:
+    """A client gone before the first event: Starlette cancels the response before the events'
+    generator has run; the engine's stream is closed all the same (or it would generate for
+    nobody) and the request's metrics are taken once. A whole response: once as well."""
+    stream = FinishingStream()
+    sent, ended = respond(stream, start_send_waits=True, client_gone=True)
+    assert "http.response.body" not in sent  # the generator never ran
+    assert stream.closed and ended == [1]
+
+    stream = FinishingStream()
+    sent, ended = respond(stream, start_send_waits=False, client_gone=False)
+    assert sent == ["http.response.start"] + ["http.response.body"] * 6  # role, 2 texts, finish, [DONE], end
+    assert stream.closed and ended == [1]
 
 
 class TinyChatTokenizer:

@@ -15,6 +15,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
 from cartridges.engine import COMPOSITIONS, ContextLengthError, EngineBusyError, EngineStoppedError
 from cartridges.stream import Delta, GenerationError, Stream, TokenLogprob, choice_seeds
 from cartridges.retrieval import TOP_K, passages_prompt
@@ -432,6 +435,35 @@ async def _arrivals(streams: list[Stream]) -> AsyncIterator[list[Arrival]]:
         for task in pumps:
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
+
+
+class EventStream(StreamingResponse):
+    """A streamed completion's response: `events` over its streams. However the response ends,
+    the streams are closed and `on_end` has run once, also when the client left before the
+    first event: Starlette cancels a response whose client is gone, and a cancellation that
+    lands before the events' generator first runs (a send that waits, as one to a full socket
+    does) would skip the generator's own cleanup and leave the engine generating for nobody."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, streams: list[Stream], answer: Answer, include_usage: bool, disconnected: asyncio.Event,
+                 on_end: Callable[[], None], headers: dict[str, str] | None = None) -> None:
+        self._streams = streams
+        self._on_end: Callable[[], None] | None = on_end
+        super().__init__(events(streams, answer, include_usage, disconnected, on_end=self._end), headers=headers)
+
+    def _end(self) -> None:
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self._streams:
+                stream.close()
+            self._end()
 
 
 def sse_event(data: str) -> bytes:

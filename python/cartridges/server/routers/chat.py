@@ -9,7 +9,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from fastapi.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from cartridges.stream import GenerationError
@@ -56,8 +55,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        events = completions.events(streams, answer, include_usage, disconnected, on_end=observe)
-        return EventSourceResponse(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return completions.EventStream(streams, answer, include_usage, disconnected, on_end=observe,
+                                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     try:
         result = await completions.collect(streams, answer, disconnected)
