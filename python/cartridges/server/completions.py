@@ -310,10 +310,10 @@ async def collect(streams: list[Stream], answer: Answer, disconnected: asyncio.E
 
 # Longer than 60 lines: the event order (one choice per chunk, usage last) and the merging of
 # what arrived together share the response's state.
-async def events(streams: list[Stream], answer: Answer, include_usage: bool, disconnected: asyncio.Event,
-                 on_end: Callable[[], None] | None = None) -> AsyncIterator[bytes]:
-    """The server-sent events of a streamed completion, ending with `data: [DONE]`; `on_end`
-    is called once they end, however they end.
+async def events(streams: list[Stream], answer: Answer, include_usage: bool,
+                 disconnected: asyncio.Event) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed completion, ending with `data: [DONE]` (served by
+    `EventStream`, which ends the request however the events end).
 
     As OpenAI streams `n` > 1: every chunk carries exactly one choice, its `index` saying which;
     a choice's first chunk brings the role, its last (a chunk of its own) the finish reason; the
@@ -392,8 +392,6 @@ async def events(streams: list[Stream], answer: Answer, include_usage: bool, dis
         for stream in streams:
             stream.close()
         watcher.cancel()
-        if on_end is not None:  # before the awaits below, which a cancellation may cut short
-            on_end()
         await arrivals.aclose()
         await asyncio.gather(watcher, return_exceptions=True)
 
@@ -439,23 +437,18 @@ async def _arrivals(streams: list[Stream]) -> AsyncIterator[list[Arrival]]:
 
 class EventStream(StreamingResponse):
     """A streamed completion's response: `events` over its streams. However the response ends,
-    the streams are closed and `on_end` has run once, also when the client left before the
-    first event: Starlette cancels a response whose client is gone, and a cancellation that
-    lands before the events' generator first runs (a send that waits, as one to a full socket
-    does) would skip the generator's own cleanup and leave the engine generating for nobody."""
+    the streams are closed and `on_end` runs, once, here: Starlette cancels a response whose
+    client is gone, and a cancellation that lands before the events' generator first runs (a
+    send that waits, as one to a full socket does) skips the generator's own cleanup, which
+    would leave the engine generating for nobody."""
 
     media_type = "text/event-stream"
 
     def __init__(self, streams: list[Stream], answer: Answer, include_usage: bool, disconnected: asyncio.Event,
                  on_end: Callable[[], None], headers: dict[str, str] | None = None) -> None:
         self._streams = streams
-        self._on_end: Callable[[], None] | None = on_end
-        super().__init__(events(streams, answer, include_usage, disconnected, on_end=self._end), headers=headers)
-
-    def _end(self) -> None:
-        on_end, self._on_end = self._on_end, None
-        if on_end is not None:
-            on_end()
+        self._on_end = on_end
+        super().__init__(events(streams, answer, include_usage, disconnected), headers=headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -463,7 +456,7 @@ class EventStream(StreamingResponse):
         finally:
             for stream in self._streams:
                 stream.close()
-            self._end()
+            self._on_end()
 
 
 def sse_event(data: str) -> bytes:
