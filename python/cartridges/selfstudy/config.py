@@ -28,21 +28,25 @@ CORE_TRAINING_FIELDS = ("learning_rate", "anchor", "epochs", "batch_size", "grad
 
 LONG_CORPUS_TOKENS = 8192
 """A corpus longer than this (the default model's context) is trained with the long-corpus plan:
-one epoch instead of two, a quarter of the written conversations yes/no ones and the rest
-recall ones (no cloze), and a cartridge that starts from the whole corpus' KV compacted by
-attention matching (`default_epochs`, `default_verify_fraction`, `default_cloze_fraction`,
-`default_init`; docs/experiments.md, "Which plan should a corpus beyond the context get by
-default?", "Does the compact initialization hold on the held-out rulebook under the
-long-corpus defaults?" and "Do recall conversations in place of cloze ones lift the long-corpus
-defaults?")."""
+one epoch instead of two, a quarter more conversations (one per 8 corpus tokens), a fifth of
+the written conversations yes/no ones, a quarter of the rest fact ones and the others recall
+ones (no cloze), and a cartridge that starts from the whole corpus' KV compacted by attention
+matching (`default_epochs`, `default_num_samples`, `default_verify_fraction`,
+`default_fact_fraction`, `default_cloze_fraction`, `default_init`; docs/experiments.md, "Which
+plan should a corpus beyond the context get by default?", "Does the compact initialization hold
+on the held-out rulebook under the long-corpus defaults?", "Do recall conversations in place of
+cloze ones lift the long-corpus defaults?" and "Do fact conversations beside the recall ones
+keep the rulebook's paraphrase questions?")."""
 
 # What a field left None gets, in words (the CLI's help and the docs say it).
 DECIDED_FROM_CORPUS = {
     "num_tokens": "an eighth of the corpus, in multiples of 16, at least 64 and at most 1024",
-    "num_samples": "one per 10 corpus tokens, in batches of 16, at least 128 and at most 8192",
+    "num_samples": f"one per 10 corpus tokens, or per 8 for a corpus over {LONG_CORPUS_TOKENS} tokens, "
+                   "in batches of 16, at least 128 and at most 8192",
     "quality_samples": "max(8, num_samples / 16), at most 32; 0: no report",
     "epochs": f"2, or 1 for a corpus over {LONG_CORPUS_TOKENS} tokens",
-    "verify_fraction": f"0, or 0.25 for a corpus over {LONG_CORPUS_TOKENS} tokens",
+    "verify_fraction": f"0, or 0.2 for a corpus over {LONG_CORPUS_TOKENS} tokens",
+    "fact_fraction": f"0, or 0.25 for a corpus over {LONG_CORPUS_TOKENS} tokens",
     "cloze_fraction": f"0.5, or 0 for a corpus over {LONG_CORPUS_TOKENS} tokens",
     "init": f"corpus, or compact for a corpus over {LONG_CORPUS_TOKENS} tokens",
 }
@@ -54,10 +58,13 @@ def default_quality_samples(num_samples: int) -> int:
 
 
 def default_num_samples(corpus_tokens: int) -> int:
-    """Conversations when the config leaves it open: one per 10 corpus tokens, in whole batches
-    of 16, at least 128 and at most 8192 (a 2,500-token document gets 256; a 100,000-token
-    corpus 8192, about 16 per 512-token chunk)."""
-    return min(8192, max(128, math.ceil(corpus_tokens / 10 / 16) * 16))
+    """Conversations when the config leaves it open: one per 10 corpus tokens, or one per 8
+    beyond LONG_CORPUS_TOKENS (where the fact conversations come beside the recall ones rather
+    than in their place), in whole batches of 16, at least 128 and at most 8192 (a 2,500-token
+    document gets 256; a 16,000-token corpus 2,000; a 100,000-token corpus 8192, about 16 per
+    512-token chunk)."""
+    per_conversation = 10 if corpus_tokens <= LONG_CORPUS_TOKENS else 8
+    return min(8192, max(128, math.ceil(corpus_tokens / per_conversation / 16) * 16))
 
 
 def default_num_tokens(corpus_tokens: int) -> int:
@@ -81,7 +88,16 @@ def default_init(corpus_tokens: int) -> str:
 
 def default_verify_fraction(corpus_tokens: int) -> float:
     """Share of yes/no ("verify") written conversations when the config leaves it open: 0, or
-    0.25 beyond LONG_CORPUS_TOKENS."""
+    0.2 beyond LONG_CORPUS_TOKENS (0.2 of the quarter more conversations there keeps about the
+    yes/no conversations of 0.25 of one per 10 tokens)."""
+    return 0.0 if corpus_tokens <= LONG_CORPUS_TOKENS else 0.2
+
+
+def default_fact_fraction(corpus_tokens: int) -> float:
+    """Share of fact conversations among the written ones other than verify and topic ones when
+    the config leaves it open: 0, or 0.25 beyond LONG_CORPUS_TOKENS (with one conversation per 8
+    tokens there, they come beside the recall ones: about as many recall conversations as one
+    per 10 tokens gives)."""
     return 0.0 if corpus_tokens <= LONG_CORPUS_TOKENS else 0.25
 
 
@@ -142,8 +158,8 @@ class TrainConfig(BaseModel):
     # Synthesis
     num_samples: int | None = Field(None, ge=1)
     """Synthetic conversations (or corpus windows for next_token). None (the default): scaled to
-    the corpus, one per 10 tokens in batches of 16, at least 128 and at most 8192
-    (`default_num_samples`); twice as many with one epoch did not raise the mean over seeds
+    the corpus, one per 10 tokens (one per 8 for a corpus over LONG_CORPUS_TOKENS tokens) in
+    batches of 16, at least 128 and at most 8192 (`default_num_samples`); twice as many with one epoch did not raise the mean over seeds
     (docs/experiments.md, "Do twice the conversations with one epoch remove the seed
     variance?")."""
     chunk_tokens: int = Field(512, ge=1)
@@ -171,11 +187,12 @@ class TrainConfig(BaseModel):
     statement, true or (at even odds) with one number or name swapped for another of the
     chunk's, and "Answer yes or no."; the teacher scores "Yes" or "No" with the chunk in
     context. Recall and cloze answers teach the facts as text to go on with; these keep the
-    short answers users' yes/no questions want. None (the default): 0.25 for a corpus over
-    LONG_CORPUS_TOKENS tokens, where they turned the yes/no questions from a loss into a gain,
-    and 0 up to it, where they lowered the two short documents measured
-    (`default_verify_fraction`; docs/experiments.md, "Do yes/no conversations stop the cartridge
-    from losing yes/no questions?")."""
+    short answers users' yes/no questions want. None (the default): 0.2 for a corpus over
+    LONG_CORPUS_TOKENS tokens (0.25 of its conversations before the fact ones came beside the
+    recall ones), where they turned the yes/no questions from a loss into a gain, and 0 up to
+    it, where they lowered the two short documents measured (`default_verify_fraction`;
+    docs/experiments.md, "Do yes/no conversations stop the cartridge from losing yes/no
+    questions?")."""
     cloze_fraction: float | None = Field(None, ge=0.0, le=1.0)
     """Share of the written conversations other than "verify" ones that are "cloze"; the rest
     are "recall". A cloze answer is a few tokens, a recall answer up to max_answer_tokens, so
@@ -198,23 +215,25 @@ class TrainConfig(BaseModel):
     where a sentence starts. 0 by default: half of the recall conversations as topic ones left
     both held-out long documents where they were (docs/experiments.md, "Do conversations that
     reach a sentence by words of it lift the long-corpus defaults?")."""
-    fact_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    fact_fraction: float | None = Field(None, ge=0.0, le=1.0)
     """Share of the written conversations other than "verify" and "topic" ones that are
     "fact": a question about one number or name of a sentence of the chunk, written from the
     sentence (its first clause and the one that holds the fact, the fact replaced by "what",
     "how many <noun>", "what year"...), answered with the fact and then the sentence, scored
     by the teacher. Users ask for one fact in their own words and want it first; recall and
-    cloze messages quote the sentence. 0 by default: at 0.5 the tuning atlas rose from 0.54
-    to 0.71 of the oracle's gain and the held-out rulebook by 0.02-0.04, while the held-out
-    almanac fell under one seed of two (0.66 to 0.48, its yes/no replies starting with "- ");
-    at 0.25 the atlas rose to 0.66 and the almanac under both seeds (two-seed mean 0.65 to
-    0.69), while the rulebook fell (0.62 to 0.60, one section at 0.27), its paraphrase
-    questions down under both seeds (docs/experiments.md, "Do questions written from sentences
-    lift the long-corpus defaults?" and "Does a quarter of fact conversations lift the
-    long-corpus defaults?"). Beside the recall ones instead (0.25 with verify_fraction 0.2 and
-    a quarter more conversations) both held-out documents rose under both seeds, rulebook
-    0.62 to 0.68 and almanac 0.65 to 0.72 ("Do fact conversations beside the recall ones keep
-    the rulebook's paraphrase questions?"): the candidate for the defaults beyond the context."""
+    cloze messages quote the sentence. None (the default): 0.25 for a corpus over
+    LONG_CORPUS_TOKENS tokens, where they come beside the recall ones (with verify_fraction 0.2
+    and one conversation per 8 tokens instead of 10, the recall conversations stay about as
+    many): both held-out long documents rose under both seeds, the rulebook from 0.62 to 0.68
+    of the oracle's gain and the almanac from 0.65 to 0.72 (two-seed means), for a quarter
+    more training time (`default_fact_fraction`; docs/experiments.md, "Do fact conversations
+    beside the recall ones keep the rulebook's paraphrase questions?"); 0 up to it. In place
+    of recall ones instead, at 0.5 the tuning atlas rose from 0.54 to 0.71 while the held-out
+    almanac fell under one seed of two (0.66 to 0.48, its yes/no replies starting with "- "),
+    and at 0.25 the held-out rulebook fell (0.62 to 0.60, one section at 0.27), its paraphrase
+    questions down under both seeds ("Do questions written from sentences lift the
+    long-corpus defaults?" and "Does a quarter of fact conversations lift the long-corpus
+    defaults?")."""
     joined_fraction: float = Field(0.0, ge=0.0, le=1.0)
     """Share of the conversations that join two parts of the corpus far apart (their centres
     at least a quarter of it apart, the chunks never overlapping): the message quotes the start of a sentence from each
@@ -375,7 +394,7 @@ class TrainConfig(BaseModel):
     def for_corpus(self, corpus_tokens: int) -> TrainConfig:
         """This config with what it leaves to the corpus decided for a corpus of `corpus_tokens`
         tokens: num_tokens, num_samples (and with it quality_samples), epochs, verify_fraction,
-        cloze_fraction and init. A cartridge initialized from corpus tokens ("corpus", "spread")
+        fact_fraction, cloze_fraction and init. A cartridge initialized from corpus tokens ("corpus", "spread")
         is never longer than the corpus. A config decided for a corpus stays as it is when decided again
         for the same one."""
         decided: dict[str, Any] = {}
@@ -388,6 +407,8 @@ class TrainConfig(BaseModel):
             decided["verify_fraction"] = default_verify_fraction(corpus_tokens)
         if self.cloze_fraction is None:
             decided["cloze_fraction"] = default_cloze_fraction(corpus_tokens)
+        if self.fact_fraction is None:
+            decided["fact_fraction"] = default_fact_fraction(corpus_tokens)
         num_tokens = default_num_tokens(corpus_tokens) if self.num_tokens is None else self.num_tokens
         if init in INITS_FROM_CORPUS:
             num_tokens = min(num_tokens, max(corpus_tokens, self.num_frozen + 1))
