@@ -66,15 +66,13 @@ def test_a_100k_token_corpus_trains_in_the_memory_of_a_10k_one():
     # pools by tens of MB once, in whichever run first asks for some size (either corpus, seen
     # under every setting), while what grows with the corpus would show in both of its runs.
     peaks: dict[str, list[int]] = {"short": [], "long": []}
+    carts = {}
     for _ in range(2):
         for name, corpus in (("short", short), ("long", long)):
-            peak, cart = peak_rss_while(lambda: train(model, [corpus], config, progress=False))
+            peak, carts[name] = peak_rss_while(lambda: train(model, [corpus], config, progress=False))
             peaks[name].append(peak)
-            if name == "short":
-                short_cart = cart
-            else:
-                long_cart = cart
     short_peak, long_peak = min(peaks["short"]), min(peaks["long"])
+    short_cart, long_cart = carts["short"], carts["long"]
     assert short_cart.num_tokens == long_cart.num_tokens == 64
     assert long_cart.stats["steps"] == short_cart.stats["steps"] == 2
     # The corpus itself (100K token ids and its text) is about 1 MB; what grew with it would

@@ -159,9 +159,9 @@ class TrainConfig(BaseModel):
     num_samples: int | None = Field(None, ge=1)
     """Synthetic conversations (or corpus windows for next_token). None (the default): scaled to
     the corpus, one per 10 tokens (one per 8 for a corpus over LONG_CORPUS_TOKENS tokens) in
-    batches of 16, at least 128 and at most 8192 (`default_num_samples`); twice as many with one epoch did not raise the mean over seeds
-    (docs/experiments.md, "Do twice the conversations with one epoch remove the seed
-    variance?")."""
+    batches of 16, at least 128 and at most 8192 (`default_num_samples`); twice as many with
+    one epoch did not raise the mean over seeds (docs/experiments.md, "Do twice the
+    conversations with one epoch remove the seed variance?")."""
     chunk_tokens: int = Field(512, ge=1)
     """What "A" reads to write its message: the corpus is cut into chunks of this many tokens
     that cover it evenly, one per batch of conversations (longer when there are too few
@@ -188,8 +188,8 @@ class TrainConfig(BaseModel):
     chunk's, and "Answer yes or no."; the teacher scores "Yes" or "No" with the chunk in
     context. Recall and cloze answers teach the facts as text to go on with; these keep the
     short answers users' yes/no questions want. None (the default): 0.2 for a corpus over
-    LONG_CORPUS_TOKENS tokens (0.25 of its conversations before the fact ones came beside the
-    recall ones), where they turned the yes/no questions from a loss into a gain, and 0 up to
+    LONG_CORPUS_TOKENS tokens (of one conversation per 8 tokens: about as many as 0.25 of one
+    per 10), where they turned the yes/no questions from a loss into a gain, and 0 up to
     it, where they lowered the two short documents measured (`default_verify_fraction`;
     docs/experiments.md, "Do yes/no conversations stop the cartridge from losing yes/no
     questions?")."""
@@ -394,9 +394,9 @@ class TrainConfig(BaseModel):
     def for_corpus(self, corpus_tokens: int) -> TrainConfig:
         """This config with what it leaves to the corpus decided for a corpus of `corpus_tokens`
         tokens: num_tokens, num_samples (and with it quality_samples), epochs, verify_fraction,
-        fact_fraction, cloze_fraction and init. A cartridge initialized from corpus tokens ("corpus", "spread")
-        is never longer than the corpus. A config decided for a corpus stays as it is when decided again
-        for the same one."""
+        fact_fraction, cloze_fraction and init. A cartridge initialized from corpus tokens
+        ("corpus", "spread") is never longer than the corpus. A config decided for a corpus stays
+        as it is when decided again for the same one."""
         decided: dict[str, Any] = {}
         init = default_init(corpus_tokens) if self.init is None else self.init
         if init != self.init:
