@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 
 import pytest
 import torch
@@ -287,16 +286,19 @@ def test_cancel_stops_within_a_step(model):
     )
     assert result.cancelled and result.steps == 2 and token.cancelled
 
-    # From another thread, while the C++ loop runs with the GIL released.
+    # From another thread, while the C++ loop runs with the GIL released: cancelled once a step
+    # has run (waiting for it rather than sleeping keeps the test independent of machine speed).
     token = cartridges_core.CancelToken()
     big = random_data(model.config.vocab_size, n=8, seq=64)
     out = {}
+    stepped = threading.Event()
     worker = threading.Thread(
         target=lambda: out.update(r=cartridges_core.train_cartridge(
-            model.native, prefix_params(model), big, options(epochs=10_000, batch_size=1), None, token))
+            model.native, prefix_params(model), big, options(epochs=10_000, batch_size=1),
+            lambda p: stepped.set(), token))
     )
     worker.start()
-    time.sleep(0.3)
+    assert stepped.wait(timeout=60)
     token.cancel()
     worker.join(timeout=10)
     assert not worker.is_alive()
