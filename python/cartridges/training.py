@@ -22,7 +22,7 @@ from .selfstudy.checkpoint import ConversationLog
 from .selfstudy.prompts import UNRELATED_TEXT
 from .selfstudy.chunking import part_of
 from .selfstudy.precision import multiplies_bfloat16_natively, resolved_training_dtype
-from .selfstudy.synthesize import fitting, signal_by_part
+from .selfstudy.synthesize import fitting, signal_by_part, student_passages
 
 
 def unrelated_tokens(model: Any, n: int) -> list[int]:
@@ -151,7 +151,8 @@ def prepare_datasets(
         # (Conversations of a synthesis checkpoint from before chunk spans were kept have none.)
         known = held_part and all(c.chunk_span[1] > 0 for c in held_part)
         parts = [part_of(c.chunk_span, len(corpus)) for c in held_part] if known else None
-        return Datasets(training_data(model, train_part, prefix_tokens), held_out,
+        passages = student_passages(model.tokenizer, corpus, train_part, config)
+        return Datasets(training_data(model, train_part, prefix_tokens, passages), held_out,
                         signal_by_part(train_part, len(corpus)), parts)
     return Datasets(next_token_data(corpus, config, native_model(model).config.max_position_embeddings), None, None,
                     None)

@@ -350,3 +350,60 @@ def test_bfloat16_attention_stays_close_to_float32():
         assert ((rounded - exact).norm() / exact.norm()).item() < 2e-2
     else:
         assert torch.equal(rounded, exact)
+
+
+def test_passages_conversations_put_the_best_passages_before_the_message_and_keep_the_targets(model):
+    """passages_fraction: the student of a chosen conversation reads the corpus' best BM25
+    passages for its message in the chat's retrieval prompt, before the message; the answer
+    and the teacher's targets are the conversation's as they were, and the other rows are
+    what they are without passages."""
+    from cartridges.retrieval import Retriever, passages_prompt
+    from cartridges.selfstudy.synthesize import TRAIN_PASSAGES, student_passages, student_tokens
+
+    tok = model.tokenizer
+    config = small_config(chunk_tokens=40, num_samples=12, synthesis_batch_size=4)
+    corpus = Corpus.from_texts(tok, [LONG_TEXT])
+    conversations = synthesize(model, corpus, config)
+    assert student_passages(tok, corpus, conversations, config) == [[]] * len(conversations)
+    passages = student_passages(tok, corpus, conversations, config.replace(passages_fraction=0.5))
+    chosen = [i for i, p in enumerate(passages) if p]
+    assert 0 < len(chosen) < len(conversations)
+    assert passages == student_passages(tok, corpus, conversations, config.replace(passages_fraction=0.5))
+    index = Retriever.from_texts(tok, [tok.decode(corpus.tokens)])
+    for i in chosen:
+        assert passages[i] == index.search(conversations[i].question, TRAIN_PASSAGES)
+    plain = training_data(model, conversations, config.num_tokens)
+    data = training_data(model, conversations, config.num_tokens, passages)
+    assert torch.equal(data.topk_ids, plain.topk_ids) and torch.equal(data.topk_logprobs, plain.topk_logprobs)
+    for row, c in enumerate(conversations):
+        prompt = student_tokens(tok, c.question, passages[row])
+        assert data.tokens[row, : len(prompt)].tolist() == prompt
+        positions = data.target_mask[row].nonzero().squeeze(1)
+        assert data.tokens[row, positions + 1].tolist() == c.answer
+        if passages[row]:
+            assert prompt == list(tok.encode_chat([{"role": "system", "content": passages_prompt(passages[row])},
+                                                   {"role": "user", "content": c.question}],
+                                                  add_generation_prompt=True))
+            text = tok.decode(prompt)  # (the tiny tokenizer has no newline)
+            assert text.index(passages[row][0][:40]) < text.index(c.question[:20])
+        else:
+            assert torch.equal(data.tokens[row, : plain.lengths[row]], plain.tokens[row, : plain.lengths[row]])
+
+
+def test_train_reads_passages_conversations_with_their_passages(model):
+    """train() with passages_fraction 1 trains on every conversation with its passages in the
+    student's prompt: the same targets as without, longer rows."""
+    from cartridges.selfstudy.synthesize import student_passages
+
+    config = small_config(chunk_tokens=40, quality_samples=0, epochs=1)
+    plain = train(model, [LONG_TEXT], config, progress=False)
+    read = train(model, [LONG_TEXT], config.replace(passages_fraction=1.0), progress=False)
+    corpus = Corpus.from_texts(model.tokenizer, [LONG_TEXT])
+    conversations = synthesize(model, corpus, config.for_corpus(len(corpus)))
+    passages = student_passages(model.tokenizer, corpus, conversations, config.replace(passages_fraction=1.0))
+    expected = training_data(model, conversations, config.num_tokens, passages)
+    assert any(passages)  # (a message that shares no word with the corpus gets none)
+    assert torch.equal(read.stats["data"].tokens, expected.tokens)
+    assert torch.equal(read.stats["data"].topk_ids, plain.stats["data"].topk_ids)
+    assert read.stats["data"].lengths.sum() > plain.stats["data"].lengths.sum()
+    assert read != plain

@@ -241,6 +241,13 @@ class TrainConfig(BaseModel):
     questions that need two distant parts at once (multi-hop) something to learn from. 0 by
     default: a quarter of joined conversations left the atlas' multi-hop questions where they
     were (docs/experiments.md, "Do joined conversations teach multi-hop questions?")."""
+    passages_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of the training conversations the student reads as the chat's `retrieval` option
+    serves it: with the corpus' passages that BM25 ranks best for the message (`TRAIN_PASSAGES`
+    of them, ~300 tokens each, `cartridges.retrieval`) in a system prompt after the cartridge,
+    so that the cartridge also learns to be read beside passages. The teacher's targets are the
+    same. Each such conversation costs about four times the training of one without. 0 until
+    measured."""
     synthesis_batch_size: int = Field(16, ge=1)
     """Conversations generated together; they share their chunk and window (and their KV)."""
     question_temperature: float = Field(0.6, ge=0.0)

@@ -24,6 +24,7 @@ import cartridges_core
 from ..cartridge import native_model
 from ..heap import release_free_memory
 from ..models.tokenizer import common_prefix_len
+from ..retrieval import Retriever, passages_prompt
 from .chunking import PARTS, BatchView, Corpus, Span, part_view, partner_chunk, plan_views
 from .config import TrainConfig
 from .precision import resolved_training_dtype
@@ -397,28 +398,63 @@ def synthesize(
     return out
 
 
-def student_tokens(tokenizer, question: str) -> list[int]:
-    """What the student sees before the answer: the user turn alone, no chunk."""
-    return list(tokenizer.encode_chat([{"role": "user", "content": question}], add_generation_prompt=True))
+# Passages a student reads beside the cartridge in a `passages_fraction` conversation: two, not
+# the chat's four (retrieval.TOP_K), since training costs grow with a conversation's tokens and
+# two ~300-token passages already make one about four times as long.
+TRAIN_PASSAGES = 2
 
 
-def fitting(model, conversations: Sequence[Conversation], prefix_tokens: int) -> list[Conversation]:
-    """The conversations whose question leaves room for an answer token next to the prefix in
-    the context: those training_data keeps, in order."""
+def student_tokens(tokenizer, question: str, passages: Sequence[str] = ()) -> list[int]:
+    """What the student sees before the answer: the user turn, no chunk; with `passages`, the
+    system prompt that holds them first, as the chat's `retrieval` option puts them."""
+    messages = [{"role": "user", "content": question}]
+    if passages:
+        messages.insert(0, {"role": "system", "content": passages_prompt(passages)})
+    return list(tokenizer.encode_chat(messages, add_generation_prompt=True))
+
+
+def student_passages(tokenizer, corpus: Corpus, conversations: Sequence[Conversation],
+                     config: TrainConfig) -> list[list[str]]:
+    """Per conversation, the passages its student reads: for `config.passages_fraction` of them
+    (drawn from their own random stream, so that the conversations do not change), the corpus'
+    best `TRAIN_PASSAGES` for the message by BM25, as the chat retrieves them; [] for the rest."""
+    out: list[list[str]] = [[] for _ in conversations]
+    if config.passages_fraction <= 0 or not conversations:
+        return out
+    rng = random.Random(f"selfstudy-passages:{config.seed}")
+    chosen = [i for i in range(len(conversations)) if rng.random() < config.passages_fraction]
+    if chosen:
+        index = Retriever.from_texts(tokenizer, [tokenizer.decode(corpus.tokens)])
+        for i, passages in zip(chosen, index.search_many([conversations[i].question for i in chosen],
+                                                         TRAIN_PASSAGES)):
+            out[i] = passages
+    return out
+
+
+def fitting(model, conversations: Sequence[Conversation], prefix_tokens: int,
+            passages: Sequence[Sequence[str]] | None = None) -> list[Conversation]:
+    """The conversations whose prompt (with its passages, if any) leaves room for an answer
+    token next to the prefix in the context: those training_data keeps, in order."""
     context = native_model(model).config.max_position_embeddings
-    return [c for c in conversations
-            if context - prefix_tokens - len(student_tokens(model.tokenizer, c.question)) >= 1]
+    passages = passages or [()] * len(conversations)
+    return [c for c, p in zip(conversations, passages)
+            if context - prefix_tokens - len(student_tokens(model.tokenizer, c.question, p)) >= 1]
 
 
-def training_data(model, conversations: Sequence[Conversation], prefix_tokens: int) -> cartridges_core.TrainingData:
-    """Conversations as the student sees them (no chunk), right-padded, with the teacher's
-    top-k at each answer token. Answers are cut so that prefix + conversation fit the context;
-    a conversation whose question alone leaves no room is left out (`fitting`)."""
+def training_data(model, conversations: Sequence[Conversation], prefix_tokens: int,
+                  passages: Sequence[Sequence[str]] | None = None) -> cartridges_core.TrainingData:
+    """Conversations as the student sees them (no chunk; `passages[i]` in the prompt of
+    conversation i where given), right-padded, with the teacher's top-k at each answer token.
+    Answers are cut so that prefix + conversation fit the context; a conversation whose prompt
+    alone leaves no room is left out (`fitting`)."""
     context = native_model(model).config.max_position_embeddings
+    passages = passages or [()] * len(conversations)
     rows, targets_ids, targets_lp, spans = [], [], [], []
-    for c in fitting(model, conversations, prefix_tokens):
-        prompt = student_tokens(model.tokenizer, c.question)
+    for c, p in zip(conversations, passages):
+        prompt = student_tokens(model.tokenizer, c.question, p)
         room = context - prefix_tokens - len(prompt)
+        if room < 1:
+            continue
         n = min(len(c.answer), room)
         rows.append(prompt + c.answer[:n])
         spans.append((len(prompt) - 1, n))
