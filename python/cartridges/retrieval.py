@@ -3,8 +3,9 @@
 A cartridge holds what a corpus says as a whole; retrieval brings its literal detail. On the
 long-corpus suite's 16-17K-token documents the two together give more exact answers than either
 alone; on its 40-53K-token ones fewer than retrieval alone (docs/experiments.md, "Long
-corpora"). The server offers them together (`retrieval` in a chat request, docs/api.md §4.3).
-The chunking, the ranking and the prompt here are the ones the suite measures.
+corpora"). The server offers them together, or the passages alone (`retrieval` in a chat
+request, docs/api.md §4.3). The chunking, the ranking and the prompt here are the ones the
+suite measures.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ bad options, a request without a cartridge and a deleted training file get clear
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -151,3 +152,44 @@ def test_the_cli_chat_asks_for_retrieval(chat_server: LiveServer, owner: dict) -
     assert local.returncode == 2 and "--retrieval is for --server" in local.stderr
     too_many = chat("--server", chat_server.url, "--api-key", owner["key"], "--retrieval", "17", stdin="")
     assert too_many.returncode == 2 and "--retrieval takes 1 to 16 passages" in too_many.stderr
+    alone = greedy(client, owner["cartridge"], messages=messages, max_tokens=16,
+                   extra_body={"retrieval": {"top_k": 1, "passages_only": True}})
+    cached = _cached_tokens(chat_server)
+    done = chat("--server", chat_server.url, "--api-key", owner["key"], "--model", owner["cartridge"], "--retrieval",
+                "1", "--passages-only", "--max-tokens", "16", "--temperature", "0", stdin=f"{question}\n/exit\n")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == alone.choices[0].message.content.strip()
+    assert _cached_tokens(chat_server) == cached  # no cartridge tokens went into its prompt
+    lone = chat("--server", chat_server.url, "--passages-only", stdin="")
+    assert lone.returncode == 2 and "--passages-only needs --retrieval" in lone.stderr
+
+
+def test_passages_only_leaves_the_cartridge_out(chat_server: LiveServer, model: cartridges.Model,
+                                                owner: dict) -> None:
+    """`{"passages_only": true}`: the same passages in the same system message, and no cartridge
+    in front: the base model's reply to that prompt."""
+    client = chat_server.openai(owner["key"])
+    options = {"top_k": 2, "passages_only": True}
+    reply = greedy(client, owner["cartridge"], messages=QUESTION, extra_body={"retrieval": options})
+    passages = expected_passages(model, QUESTION[0]["content"], 2)
+    expected = [{"role": "system", "content": passages_prompt(passages)}, *QUESTION]
+    assert reply.usage.prompt_tokens == len(model.encode_chat(expected))  # no cartridge tokens
+    assert not reply.usage.prompt_tokens_details or not reply.usage.prompt_tokens_details.cached_tokens
+    assert reply.choices[0].message.content == model.chat(expected, max_tokens=12)
+    assert [c["text"] for c in reply.model_extra["retrieval"]["passages"]] == passages
+    stream = list(client.chat.completions.create(model=owner["cartridge"], messages=QUESTION, temperature=0,
+                                                 max_tokens=12, stream=True, extra_body={"retrieval": options}))
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as error:  # a strict boolean
+        greedy(client, owner["cartridge"], messages=QUESTION, extra_body={"retrieval": {"passages_only": "yes"}})
+    assert error.value.body["param"].startswith("retrieval")
+    stranger = chat_server.openai(chat_server.add_user())  # the cartridge is still the caller's own
+    with pytest.raises(openai.NotFoundError):
+        greedy(stranger, owner["cartridge"], messages=QUESTION, extra_body={"retrieval": options})
+
+
+def _cached_tokens(server: LiveServer) -> float:
+    """The server's count of prompt tokens served from cartridges (/metrics)."""
+    line = next(line for line in httpx.get(server.url + "/metrics").text.splitlines()
+                if line.startswith("cartridges_cached_tokens_total"))
+    return float(line.split()[-1])

@@ -43,6 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="with --server: also put in the prompt the K passages (default 4) of the cartridges' "
                         "training files that best match each message (BM25), behind the cartridges; worth it on "
                         "corpora beyond the model's context, for literal detail")
+    parser.add_argument("--passages-only", action="store_true",
+                        help="with --retrieval: the passages alone, the cartridges left out of the context "
+                        "(on corpora of 40K tokens and more it answers more questions exactly)")
     parser.add_argument("--server", metavar="URL",
                         help="chat with a running server (e.g. http://127.0.0.1:8000) instead of a local model")
     parser.add_argument("--api-key", metavar="KEY",
@@ -68,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.retrieval is not None and not 1 <= args.retrieval <= MAX_PASSAGES:
         print(f"error: --retrieval takes 1 to {MAX_PASSAGES} passages, got {args.retrieval}", file=sys.stderr)
+        return 2
+    if args.passages_only and args.retrieval is None:
+        print("error: --passages-only needs --retrieval", file=sys.stderr)
         return 2
     if args.server:
         if args.device is not None:
@@ -170,7 +176,7 @@ def _run_server(args: argparse.Namespace) -> int:
     if args.cartridge:
         extra.update(cartridges=list(args.cartridge), composition=args.composition)
     if args.retrieval is not None:
-        extra["retrieval"] = {"top_k": args.retrieval}
+        extra["retrieval"] = {"top_k": args.retrieval, **({"passages_only": True} if args.passages_only else {})}
     if extra:
         options["extra_body"] = extra
 

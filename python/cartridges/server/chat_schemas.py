@@ -64,6 +64,10 @@ class RetrievalOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     top_k: int = Field(default=TOP_K, ge=1, le=MAX_PASSAGES, description="At most this many passages in the prompt.")
+    passages_only: StrictBool = Field(
+        default=False, description="Leave the cartridges' KV out of the context: their training files are searched "
+        "as usual, and the passages alone answer (retrieval without the cartridge). On corpora of 40K tokens and "
+        "more it answers more questions exactly than the cartridge with the passages (docs/api.md §4.3).")
 
 
 class StreamOptions(BaseModel):
@@ -91,7 +95,8 @@ class ChatCompletionRequest(BaseModel):
         default=None, description="Extension: `true` (or `{top_k}`, default 4) also puts in the prompt the passages "
         "of the cartridges' own training files that best match the last user message (BM25 over chunks of about "
         "300 tokens), as a system message behind the cartridges: the cartridge for what the corpus says as a "
-        "whole, the passages for its literal detail. Needs a cartridge.")
+        "whole, the passages for its literal detail; `{passages_only: true}`: the passages alone, the cartridges' "
+        "KV left out. Needs a cartridge.")
     max_tokens: int | None = Field(default=None, ge=1, description="Deprecated alias of max_completion_tokens.")
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)

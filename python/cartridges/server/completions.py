@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from cartridges.engine import COMPOSITIONS, ContextLengthError, EngineBusyError, EngineStoppedError
 from cartridges.stream import Delta, GenerationError, Stream, TokenLogprob, choice_seeds
-from cartridges.retrieval import TOP_K, passages_prompt
+from cartridges.retrieval import passages_prompt
 from cartridges.server.chat_schemas import ChatCompletionRequest, FilePart, RetrievalOptions
 from cartridges.server.principal import Principal
 from cartridges.server.errors import APIError
@@ -58,8 +58,12 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
     if body.model != serving.model_id:
         ids.append((body.model, "model"))
     ids += [(c if isinstance(c, str) else c.id, "cartridges") for c in body.cartridges or []]
+    options = body.retrieval if isinstance(body.retrieval, RetrievalOptions) else RetrievalOptions()
     for identifier, param in ids:
         try:
+            if body.retrieval and options.passages_only:  # their files are searched, their KV never loaded
+                records.append(serving.record(user, identifier, param=param))
+                continue
             record, prefix = serving.cartridge(user, identifier, param=param)
         except CartridgeUnavailable as unavailable:
             raise unavailable.error from None
@@ -72,8 +76,7 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
                  "content": _content(serving, user, m.content, i, files_deadline)} for i, m in enumerate(body.messages)]
     passages = None
     if body.retrieval:
-        top_k = body.retrieval.top_k if isinstance(body.retrieval, RetrievalOptions) else TOP_K
-        messages, passages = _with_passages(serving, user, records, messages, top_k)
+        messages, passages = _with_passages(serving, user, records, messages, options.top_k)
     try:
         prompt = model.encode_chat(messages)
         weigh_from = model.conversation_start(messages, prompt)

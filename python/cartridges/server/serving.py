@@ -144,6 +144,12 @@ class Serving:
                     prefix = self._load(principal, record, model, engine, param)
         return record, prefix
 
+    def record(self, principal: Principal, identifier: str, *, param: str) -> Any:
+        """The caller's trained cartridge's datablock record, its KV not loaded. Raises
+        CartridgeUnavailable, as `cartridge` does."""
+        self.require_ready()
+        return self._record(principal, identifier, param)
+
     def _record(self, principal: Principal, identifier: str, param: str) -> Any:
         c = core()
         try:
