@@ -431,14 +431,12 @@ def student_passages(tokenizer, corpus: Corpus, conversations: Sequence[Conversa
     return out
 
 
-def fitting(model, conversations: Sequence[Conversation], prefix_tokens: int,
-            passages: Sequence[Sequence[str]] | None = None) -> list[Conversation]:
-    """The conversations whose prompt (with its passages, if any) leaves room for an answer
-    token next to the prefix in the context: those training_data keeps, in order."""
+def fitting(model, conversations: Sequence[Conversation], prefix_tokens: int) -> list[Conversation]:
+    """The conversations whose question leaves room for an answer token next to the prefix in
+    the context: those training_data keeps, in order, when given no passages."""
     context = native_model(model).config.max_position_embeddings
-    passages = passages or [()] * len(conversations)
-    return [c for c, p in zip(conversations, passages)
-            if context - prefix_tokens - len(student_tokens(model.tokenizer, c.question, p)) >= 1]
+    return [c for c in conversations
+            if context - prefix_tokens - len(student_tokens(model.tokenizer, c.question)) >= 1]
 
 
 def training_data(model, conversations: Sequence[Conversation], prefix_tokens: int,
@@ -446,7 +444,7 @@ def training_data(model, conversations: Sequence[Conversation], prefix_tokens: i
     """Conversations as the student sees them (no chunk; `passages[i]` in the prompt of
     conversation i where given), right-padded, with the teacher's top-k at each answer token.
     Answers are cut so that prefix + conversation fit the context; a conversation whose prompt
-    alone leaves no room is left out (`fitting`)."""
+    alone leaves no room is left out (as `fitting` finds, without passages)."""
     context = native_model(model).config.max_position_embeddings
     passages = passages or [()] * len(conversations)
     rows, targets_ids, targets_lp, spans = [], [], [], []
