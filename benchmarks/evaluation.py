@@ -41,6 +41,17 @@ TRAINING_ONLY_FIELDS = {"learning_rate", "anchor", "epochs", "batch_size", "grad
                         "channel_scaled_lr", "loss_weighting", "checkpoint_every", "companion_every", "num_frozen",
                         "init", "num_tokens", "training_dtype"}
 
+# TrainConfig fields added after cartridges were cached, with the value that trains as before
+# they existed: a config at that value leaves them out of its cache keys, so that adding a
+# knob does not orphan every cached cartridge and its synthesized data.
+FIELDS_ADDED_AS = {"passages_fraction": 0.0, "verify_targets": "teacher"}
+
+
+def keyed_fields(config: TrainConfig) -> dict[str, Any]:
+    """The config's fields that name its cached cartridge and data (FIELDS_ADDED_AS)."""
+    return {k: v for k, v in config.to_dict().items() if k not in FIELDS_ADDED_AS or FIELDS_ADDED_AS[k] != v}
+
+
 
 @dataclass
 class Question:
@@ -303,7 +314,7 @@ def cached_result(directory: Path, stem: str, key: list, run) -> dict:
 
 
 def cartridge_key(model, text: str, config: TrainConfig) -> str:
-    blob = json.dumps([model.fingerprint, text, config.to_dict()], sort_keys=True).encode()
+    blob = json.dumps([model.fingerprint, text, keyed_fields(config)], sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
@@ -344,7 +355,7 @@ def get_cartridge(model, name: str, text: str, config: TrainConfig, directory: P
     checkpoint = base.with_suffix(".ckpt")
     # Synthesized data is kept apart, under a key of what synthesis depends on: settings that
     # change training only (lr, epochs, ...) reuse it.
-    synthesis = {k: v for k, v in config.to_dict().items() if k not in TRAINING_ONLY_FIELDS}
+    synthesis = {k: v for k, v in keyed_fields(config).items() if k not in TRAINING_ONLY_FIELDS}
     data_key = hashlib.sha256(json.dumps([model.fingerprint, text, synthesis], sort_keys=True).encode()).hexdigest()[:12]
     data_path = directory / f"{name}-data-{data_key}.pt"
     data = held_out = None

@@ -3,6 +3,7 @@ training data layout, train() determinism and progress."""
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -102,6 +103,37 @@ def test_written_kinds_take_their_answer_from_the_chunk_and_the_teacher_scores_i
         logits = model.native.forward(torch.tensor([prompt + c.answer]))[0, len(prompt) - 1 : -1]
         values, _ = torch.log_softmax(logits, -1).topk(config.top_k, -1)
         torch.testing.assert_close(c.topk_logprobs, values, rtol=1e-4, atol=1e-4)
+
+
+def test_verify_conversations_train_toward_their_label_with_verify_targets_label(model):
+    """verify_targets="label": a verify row's targets put all the mass on its written answer
+    ("Yes" for the chunk's sentence, "No" for a swapped one); the conversations are otherwise
+    those of the teacher's targets, and training on them gives finite losses."""
+    from cartridges.quality import teacher_floor
+
+    config = small_config(written_fraction=1.0, verify_fraction=0.6, max_answer_tokens=40)
+    corpus = Corpus.from_texts(model.tokenizer, [TEXT])
+    taught = synthesize(model, corpus, config)
+    labelled = synthesize(model, corpus, config.replace(verify_targets="label"))
+    assert "verify" in {c.kind for c in taught} and len({c.kind for c in taught}) > 1
+    answers = set()
+    for t, c in zip(taught, labelled):
+        assert (t.kind, t.question, t.answer) == (c.kind, c.question, c.answer)
+        if c.kind != "verify":
+            assert torch.equal(t.topk_ids, c.topk_ids) and torch.equal(t.topk_logprobs, c.topk_logprobs)
+            continue
+        answers.add(model.tokenizer.decode(c.answer))
+        assert c.topk_ids.shape == t.topk_ids.shape
+        assert c.topk_ids[:, 0].tolist() == c.answer  # the written answer, with all the mass
+        assert torch.equal(c.topk_logprobs[:, 0], torch.zeros(len(c.answer)))
+        assert float(c.topk_logprobs[:, 1:].exp().sum()) == 0.0
+        for row_ids, teacher_row, token in zip(c.topk_ids.tolist(), t.topk_ids.tolist(), c.answer):
+            assert row_ids[1:] == [i for i in teacher_row if i != token][: config.top_k - 1]
+    assert answers == {"Yes", "No"}
+    data = training_data(model, labelled, config.num_tokens)
+    assert teacher_floor(data, [i for i, c in enumerate(labelled) if c.kind == "verify"]) == 0.0
+    cart = train(model, [TEXT], config.replace(verify_targets="label"), progress=False)
+    assert all(math.isfinite(loss) for loss in cart.stats["losses"])
 
 
 def test_length_groups_split_short_rows_from_long_ones():

@@ -17,6 +17,7 @@ Init = Literal["corpus", "spread", "compact", "text"]
 Objective = Literal["distill", "next_token", "compact"]
 LossWeighting = Literal["step", "token", "row"]
 TrainingDtype = Literal["auto", "model", "float32", "bfloat16"]
+VerifyTargets = Literal["teacher", "label"]
 INITS: tuple[str, ...] = Init.__args__
 OBJECTIVES: tuple[str, ...] = Objective.__args__
 LOSS_WEIGHTINGS: tuple[str, ...] = LossWeighting.__args__
@@ -193,6 +194,14 @@ class TrainConfig(BaseModel):
     it, where they lowered the two short documents measured (`default_verify_fraction`;
     docs/experiments.md, "Do yes/no conversations stop the cartridge from losing yes/no
     questions?")."""
+    verify_targets: VerifyTargets = "teacher"
+    """What a "verify" conversation trains toward: "teacher" (the teacher's top-k at "Yes" or
+    "No" with the chunk in context) or "label" (the written answer itself, "Yes" for the
+    chunk's own sentence and "No" for one with a swapped number or name, with all the mass).
+    The default model's teacher is near chance on such statements and puts more mass on "Yes",
+    and cartridges trained toward it answer "Yes" to nearly every yes/no question; the label is
+    what the statement's making knows (docs/experiments.md, "Do verify conversations trained
+    toward their label stop a cartridge answering Yes to everything?")."""
     cloze_fraction: float | None = Field(None, ge=0.0, le=1.0)
     """Share of the written conversations other than "verify" ones that are "cloze"; the rest
     are "recall". A cloze answer is a few tokens, a recall answer up to max_answer_tokens, so

@@ -84,6 +84,8 @@ CLOZE_TEMPLATES = (
 
 # The phrasing users' yes/no questions end with ("... Answer yes or no."), so that what the
 # cartridge learns about such answers is asked the way it will be.
+VERIFY_ANSWERS = ("Yes", "No")  # a verify message's written answer: its statement true, or with a swap
+
 VERIFY_TEMPLATES = (
     'According to the document, is this true? "{statement}" Answer yes or no.',
     'Does the document say this? "{statement}" Answer yes or no.',
@@ -222,7 +224,7 @@ def verify_message(template: str, chunk_text: str, rng: random.Random, min_words
     if not sentences:
         return recall_message(RECALL_TEMPLATES[0], chunk_text, rng)
     sentence = rng.choice(sentences)
-    statement, answer = sentence, "Yes"
+    statement, answer = sentence, VERIFY_ANSWERS[0]
     if rng.random() < 0.5:
         spans = [s for s in _CLOZE_SPAN.finditer(sentence) if s.start() > 0]
         if spans:
@@ -233,7 +235,7 @@ def verify_message(template: str, chunk_text: str, rng: random.Random, min_words
                              if m.start() > 0 and m.group()[0].isdigit() == numeric and m.group() != span.group()})
             if others:
                 statement = sentence[: span.start()] + rng.choice(others) + sentence[span.end() :]
-                answer = "No"
+                answer = VERIFY_ANSWERS[1]
     return template.format(statement=" ".join(statement.split())), answer
 
 

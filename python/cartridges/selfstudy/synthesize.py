@@ -28,8 +28,8 @@ from ..retrieval import Retriever, passages_prompt
 from .chunking import PARTS, BatchView, Corpus, Span, part_view, partner_chunk, plan_views
 from .config import TrainConfig
 from .precision import resolved_training_dtype
-from .prompts import (JOINED, JOINED_TEMPLATES, SEED_PROMPTS, SYSTEM_PROMPT, WRITTEN_HERE, draw_seed_prompts,
-                      joined_message, written_message)
+from .prompts import (JOINED, JOINED_TEMPLATES, SEED_PROMPTS, SYSTEM_PROMPT, VERIFY, VERIFY_ANSWERS, WRITTEN_HERE,
+                      draw_seed_prompts, joined_message, written_message)
 
 # What stands between the two chunks a joined conversation's teacher reads.
 JOINED_SEPARATOR = "\n\n[...]\n\n"
@@ -207,6 +207,7 @@ class Synthesizer:
                                   cfg.topic_fraction, cfg.fact_fraction)
         a_seeds = [rng.getrandbits(31) for _ in range(n)]
         questions, written = [""] * n, {}  # written: row -> its answer, from the chunk
+        labelled = set()  # verify rows that train toward their written answer (verify_targets="label")
         joined = self._joined_rows(corpus, view, rng, n)  # rows that join the chunk with a distant one
         for i, (kind, text) in enumerate(seeds):
             if i in joined.rows:
@@ -214,6 +215,8 @@ class Synthesizer:
             if kind in WRITTEN_HERE:
                 questions[i], answer = written_message(kind, text, chunk_text, rng)
                 written[i] = self.tok.encode(answer)[: cfg.max_answer_tokens]
+                if kind == VERIFY and answer in VERIFY_ANSWERS and cfg.verify_targets == "label":
+                    labelled.add(i)  # (a chunk without whole sentences gives a recall message instead)
                 if not written[i]:  # a chunk too short to quote from: A asks a question instead
                     del written[i]
                     seeds[i] = ("question", SEED_PROMPTS["question"][0])
@@ -252,7 +255,7 @@ class Synthesizer:
             scored = self._score([self.prompt(window_text, questions[i]) for i in rows], [written[i] for i in rows],
                                  (window_kv, window_shared))
             for i, (ids, lp) in zip(rows, scored):
-                answers[i] = (written[i], ids, lp)
+                answers[i] = (written[i], *label_targets(written[i], ids)) if i in labelled else (written[i], ids, lp)
         span = (view.chunk.start, view.chunk.end)
         out = [Conversation(seeds[i][0], chunk_text, questions[i], *answers[i], window_text, span) for i in range(n)]
         for i in joined.rows:
@@ -327,6 +330,22 @@ def loop_start(tokens: Sequence[int], max_period: int = 32, min_run: int = 12) -
         if n - i >= max(min_run, 2 * period):
             best = min(best, i)
     return best
+
+
+# The log-probability a label target gives the top-k's other tokens: its exp is 0, and being
+# finite it keeps p * log p at 0 (the teacher floor of quality.py) where -inf would make NaN.
+LABEL_FLOOR = -1e4
+
+
+def label_targets(answer: Sequence[int], teacher_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k targets with all the mass on the answer's own tokens: at each position the answer
+    token first at log-probability 0, then the teacher's other top tokens at LABEL_FLOOR (the
+    shape stays [len(answer), K])."""
+    k = teacher_ids.shape[1]
+    ids = [[token] + [t for t in row if t != token][: k - 1] for token, row in zip(answer, teacher_ids.tolist())]
+    values = torch.full((len(answer), k), LABEL_FLOOR, dtype=torch.float32)
+    values[:, 0] = 0.0
+    return torch.tensor(ids, dtype=torch.long), values
 
 
 def _topk_tensors(logprobs) -> tuple[torch.Tensor, torch.Tensor]:
