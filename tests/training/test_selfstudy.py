@@ -422,6 +422,25 @@ def test_passages_conversations_put_the_best_passages_before_the_message_and_kee
             assert torch.equal(data.tokens[row, : plain.lengths[row]], plain.tokens[row, : plain.lengths[row]])
 
 
+def test_training_passages_of_several_files_come_each_from_one_file(model):
+    """As the chat's index does, student_passages chunks each file of the corpus on its own: no
+    passage runs from the end of one file into the start of the next."""
+    from cartridges.selfstudy.chunking import named_texts
+    from cartridges.selfstudy.synthesize import student_passages
+
+    tok = model.tokenizer
+    other = ("The ferry to Ostrel leaves twice a day. Its captain, Mira Vand, keeps a log of the tides "
+             "and of every bell she hears from the shore. ") * 2
+    files = named_texts([("bells.md", TEXT), ("ferry.md", other)])
+    corpus = Corpus.from_texts(tok, files)
+    assert corpus.texts == tuple(files)
+    config = small_config(chunk_tokens=40, num_samples=8, synthesis_batch_size=4, passages_fraction=1.0)
+    conversations = synthesize(model, corpus, config)
+    found = [p for ps in student_passages(tok, corpus, conversations, config) for p in ps]
+    assert found and all(any(p.strip() in f for f in files) for p in found)
+    assert {f for p in found for f in files if p.strip() in f} == set(files)  # both files searched
+
+
 def test_train_reads_passages_conversations_with_their_passages(model):
     """train() with passages_fraction 1 trains on every conversation with its passages in the
     student's prompt: the same targets as without, longer rows."""

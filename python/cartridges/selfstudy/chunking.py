@@ -18,6 +18,7 @@ from dataclasses import dataclass
 @dataclass
 class Corpus:
     tokens: list[int]  # every text, in order, joined by a blank line
+    texts: tuple[str, ...] = ()  # the texts themselves (one per file), for what searches them one by one
 
     @classmethod
     def from_texts(cls, tokenizer, texts: Sequence[str]) -> Corpus:
@@ -27,7 +28,7 @@ class Corpus:
         tokens = tokenizer.encode("\n\n".join(texts))
         if not tokens:
             raise ValueError("the corpus is empty")
-        return cls(tokens)
+        return cls(tokens, tuple(texts))
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -436,14 +436,15 @@ def student_passages(tokenizer, corpus: Corpus, conversations: Sequence[Conversa
                      config: TrainConfig) -> list[list[str]]:
     """Per conversation, the passages its student reads: for `config.passages_fraction` of them
     (drawn from their own random stream, so that the conversations do not change), the corpus'
-    best `TRAIN_PASSAGES` for the message by BM25, as the chat retrieves them; [] for the rest."""
+    best `TRAIN_PASSAGES` for the message by BM25, as the chat retrieves them (each file chunked
+    on its own, so that no passage runs from one file into the next); [] for the rest."""
     out: list[list[str]] = [[] for _ in conversations]
     if config.passages_fraction <= 0 or not conversations:
         return out
     rng = random.Random(f"selfstudy-passages:{config.seed}")
     chosen = [i for i in range(len(conversations)) if rng.random() < config.passages_fraction]
     if chosen:
-        index = Retriever.from_texts(tokenizer, [tokenizer.decode(corpus.tokens)])
+        index = Retriever.from_texts(tokenizer, list(corpus.texts) or [tokenizer.decode(corpus.tokens)])
         for i, passages in zip(chosen, index.search_many([conversations[i].question for i in chosen],
                                                          TRAIN_PASSAGES)):
             out[i] = passages
