@@ -99,3 +99,11 @@ def test_the_access_probe_cues_the_gold_by_its_sentences_first_eight_words(eval_
     assert probe.recall_form(section, "12 tonnes")[0] == cue  # the sentence that holds it, not the first
     assert probe.recall_form(section, "tool van") is None  # within the cue: nothing to go on with
     assert probe.recall_form(section, "Tidegate") is None  # not written there
+
+
+def test_exact_answers_other_than_yes_no_leave_those_questions_out(eval_long):
+    per_question = [{"kind": "yes_no", "a": {"match": True}}, {"kind": "literal", "a": {"match": True}},
+                    {"kind": "numeric", "a": {"match": False}}, {"kind": "literal", "b": {"match": True}}]
+    d = {"per_question": per_question}
+    assert eval_long.match_not_yes_no(d, "a") == 0.5
+    assert eval_long.match_not_yes_no(d, "b") == 1.0
