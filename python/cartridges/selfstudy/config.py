@@ -198,10 +198,12 @@ class TrainConfig(BaseModel):
     """What a "verify" conversation trains toward: "teacher" (the teacher's top-k at "Yes" or
     "No" with the chunk in context) or "label" (the written answer itself, "Yes" for the
     chunk's own sentence and "No" for one with a swapped number or name, with all the mass).
-    The default model's teacher is near chance on such statements and puts more mass on "Yes",
-    and cartridges trained toward it answer "Yes" to nearly every yes/no question; the label is
-    what the statement's making knows (docs/experiments.md, "Do verify conversations trained
-    toward their label stop a cartridge answering Yes to everything?")."""
+    The default model is near chance on such statements even with the text in context, and
+    its cartridges lean to one answer for every yes/no question ("Yes" on the 53K chronicle,
+    "No" on the atlas). "teacher" by default: on the tuning atlas the label left the replies
+    at chance (10 of 24 right, as before) and the whole where it was (0.74 to 0.73 of the
+    oracle's gain) (docs/experiments.md, "Do verify conversations trained toward their label
+    teach a cartridge to tell true statements from false?")."""
     cloze_fraction: float | None = Field(None, ge=0.0, le=1.0)
     """Share of the written conversations other than "verify" ones that are "cloze"; the rest
     are "recall". A cloze answer is a few tokens, a recall answer up to max_answer_tokens, so
