@@ -42,7 +42,7 @@ from evaluation import (Condition, Question, add_recovered, cached_result, check
                         suite_model, summary, truncated_document)
 
 DOCS_DIR = Path(__file__).resolve().parent / "eval_docs" / "long"
-ALL_DOCS = ("atlas", "chronicle", "rulebook", "almanac", "lighthouse")
+ALL_DOCS = ("atlas", "chronicle", "rulebook", "almanac", "lighthouse", "university")
 DEFAULT_TUNE = ("atlas", "chronicle")  # the other documents are held out from every tuning decision
 KINDS = ("literal", "numeric", "paraphrase", "yes_no", "multi_hop")
 CONDITIONS = ("none", "truncation", "retrieval", "oracle", "init", "cartridge", "cartridge+retrieval")
