@@ -82,10 +82,10 @@ CLOZE_TEMPLATES = (
     'According to the document, what goes in the blank? "{sentence}"',
 )
 
-# The phrasing users' yes/no questions end with ("... Answer yes or no."), so that what the
-# cartridge learns about such answers is asked the way it will be.
 VERIFY_ANSWERS = ("Yes", "No")  # a verify message's written answer: its statement true, or with a swap
 
+# The phrasing users' yes/no questions end with ("... Answer yes or no."), so that what the
+# cartridge learns about such answers is asked the way it will be.
 VERIFY_TEMPLATES = (
     'According to the document, is this true? "{statement}" Answer yes or no.',
     'Does the document say this? "{statement}" Answer yes or no.',
