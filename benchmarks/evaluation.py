@@ -52,7 +52,6 @@ def keyed_fields(config: TrainConfig) -> dict[str, Any]:
     return {k: v for k, v in config.to_dict().items() if k not in FIELDS_ADDED_AS or FIELDS_ADDED_AS[k] != v}
 
 
-
 @dataclass
 class Question:
     question: str
