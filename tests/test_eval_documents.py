@@ -107,3 +107,20 @@ def test_exact_answers_other_than_yes_no_leave_those_questions_out(eval_long):
     d = {"per_question": per_question}
     assert eval_long.match_not_yes_no(d, "a") == 0.5
     assert eval_long.match_not_yes_no(d, "b") == 1.0
+
+
+def test_corpus_parts_cover_every_section_once_in_near_equal_parts(eval_long, model):
+    doc = eval_long.load_document("chronicle")
+    limit = eval_long.PART_CONTEXTS * model.context_length
+    parts = eval_long.corpus_parts(model, doc, limit)
+    total = len(model.tokenizer.encode(doc.text))
+    assert len(parts) == -(-total // limit)  # the fewest parts of the limit or fewer
+    opening = doc.text[:doc.text.index("## 1. ")].strip()
+    assert all(p.startswith(opening + "\n\n## ") for p in parts)  # each says what it is a part of
+    # Every section once, whole and in order.
+    assert "\n\n".join(p[len(opening) + 2:] for p in parts) == "\n\n".join(doc.sections)
+    sizes = [len(model.tokenizer.encode(p)) for p in parts]
+    assert max(sizes) <= 1.1 * min(sizes)
+    # A corpus within the limit is one part: itself.
+    short = eval_long.load_document("atlas")
+    assert eval_long.corpus_parts(model, short, 10 ** 6) == [short.text.strip()]
