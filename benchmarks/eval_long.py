@@ -28,6 +28,7 @@ run of the defaults with every condition, or --from-json; CARTRIDGE_DIR/plots ot
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import re
@@ -79,16 +80,18 @@ def split_sections(text: str) -> list[str]:
 def corpus_parts(model, doc: LongDocument, max_tokens: int) -> list[str]:
     """The corpus cut between sections into the fewest parts of about `max_tokens` tokens or
     fewer, of near-equal length: each part its run of whole sections after the corpus' opening
-    (the text before section 1: its title), so that every part says what it is a part of."""
+    (the text before section 1: its title and first paragraph), so that every part says what it
+    is a part of."""
     opening = doc.text[:SECTION_HEADING.search(doc.text).start()].strip()
-    sizes = [len(model.tokenizer.encode(s)) for s in doc.sections]
-    total = sum(sizes)
+    # before[i]: the tokens of sections 1..i, those before section i + 1
+    before = [0, *itertools.accumulate(len(model.tokenizer.encode(s)) for s in doc.sections)]
+    total = before[-1]
     count = max(1, math.ceil(total / max_tokens))
     ends, done = [], 0  # the section each part ends after: the cut nearest to an equal share
     for j in range(1, count):
-        cuts = range(ends[-1] + 1 if ends else 1, len(sizes) - (count - j) + 1)
-        ends.append(min(cuts, key=lambda i: abs(sum(sizes[:i]) - j * total / count)))
-    ends.append(len(sizes))
+        cuts = range(ends[-1] + 1 if ends else 1, len(doc.sections) - (count - j) + 1)
+        ends.append(min(cuts, key=lambda i: abs(before[i] - j * total / count)))
+    ends.append(len(doc.sections))
     parts = []
     for end in ends:
         parts.append("\n\n".join([opening, *doc.sections[done:end]]))
