@@ -12,9 +12,10 @@ Conditions, scored on the same questions by the scorer of eval_cartridge.py (eva
   init                 the cartridge's untrained initialization
   cartridge            the cartridge trained by self-study (TrainConfig's defaults, or --set)
   cartridge+retrieval  the cartridge in front and the retrieved chunks in the prompt
-  parts                a cartridge per part of the corpus (runs of whole sections of at most two
-                       contexts, each after the corpus' opening), trained by the same config and
-                       composed by mixture, as a chat request that names them all is answered
+  parts                a cartridge per part of the corpus (`cartridges.parts`: runs of whole
+                       sections of about two contexts at most, each after the corpus' opening),
+                       trained by the same config and composed by mixture, as `cartridges train
+                       --parts` makes them and a chat request that names them all is answered
 "recovered" = (condition - none) / (oracle - none) on log p(gold) per token: overall, per
 section and per question kind, next to the exact-answer rate (the gold in a greedy reply).
 A bar chart per document (one group of bars per section) goes to --plot-dir (docs/images for a
@@ -28,9 +29,7 @@ run of the defaults with every condition, or --from-json; CARTRIDGE_DIR/plots ot
 from __future__ import annotations
 
 import functools
-import itertools
 import json
-import math
 import re
 import sys
 import time
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from cartridges.cartridge import Cartridge
+from cartridges.parts import DEFAULT_PART_CONTEXTS, corpus_parts
 from cartridges.retrieval import CHUNK_TOKENS as RETRIEVAL_CHUNK_TOKENS, TOP_K as RETRIEVAL_TOP_K, Retriever, passages_prompt
 from cartridges.selfstudy import Corpus, TrainConfig
 from cartridges.training import init_params
@@ -53,7 +53,6 @@ KINDS = ("literal", "numeric", "paraphrase", "yes_no", "multi_hop")
 CONDITIONS = ("none", "truncation", "retrieval", "oracle", "init", "cartridge", "cartridge+retrieval", "parts")
 DEFAULT_CONDITIONS = CONDITIONS[:-1]  # parts train a cartridge per part as well: asked for by name
 PLOTTED = ("none", "truncation", "retrieval", "oracle", "cartridge", "cartridge+retrieval", "parts")
-PART_CONTEXTS = 2  # the defaults reach 0.70-0.73 on held-out corpora of two contexts
 SECTION_HEADING = re.compile(r"^## (\d+)\. ", re.MULTILINE)
 
 
@@ -75,28 +74,6 @@ def split_sections(text: str) -> list[str]:
     if numbers != list(range(1, len(numbers) + 1)):
         raise ValueError(f"sections must be numbered 1, 2, ... in order; found {numbers}")
     return [text[s:e].strip() for s, e in zip(starts, [*starts[1:], len(text)])]
-
-
-def corpus_parts(model, doc: LongDocument, max_tokens: int) -> list[str]:
-    """The corpus cut between sections into the fewest parts of about `max_tokens` tokens or
-    fewer, of near-equal length: each part its run of whole sections after the corpus' opening
-    (the text before section 1: its title and first paragraph), so that every part says what it
-    is a part of."""
-    opening = doc.text[:SECTION_HEADING.search(doc.text).start()].strip()
-    # before[i]: the tokens of sections 1..i, those before section i + 1
-    before = [0, *itertools.accumulate(len(model.tokenizer.encode(s)) for s in doc.sections)]
-    total = before[-1]
-    count = max(1, math.ceil(total / max_tokens))
-    ends, done = [], 0  # the section each part ends after: the cut nearest to an equal share
-    for j in range(1, count):
-        cuts = range(ends[-1] + 1 if ends else 1, len(doc.sections) - (count - j) + 1)
-        ends.append(min(cuts, key=lambda i: abs(before[i] - j * total / count)))
-    ends.append(len(doc.sections))
-    parts = []
-    for end in ends:
-        parts.append("\n\n".join([opening, *doc.sections[done:end]]))
-        done = end
-    return parts
 
 
 def load_document(name: str, docs_dir: Path = DOCS_DIR) -> LongDocument:
@@ -208,7 +185,7 @@ def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split
     train_stats: dict[str, Any] = {}
     parts: dict[str, Any] = {}
     if "parts" in args.conditions and not args.baselines_only:
-        texts = corpus_parts(model, doc, PART_CONTEXTS * model.context_length)
+        texts = corpus_parts(model.tokenizer, doc.text, DEFAULT_PART_CONTEXTS * model.context_length)
         trained = [get_cartridge(model, f"{doc.name}-part{j}of{len(texts)}", text, requested, args.cartridge_dir)
                    for j, text in enumerate(texts, 1)]
         parts = {"tokens": [len(Corpus.from_texts(model.tokenizer, [t])) for t in texts],

@@ -109,10 +109,14 @@ def test_exact_answers_other_than_yes_no_leave_those_questions_out(eval_long):
     assert eval_long.match_not_yes_no(d, "b") == 1.0
 
 
-def test_corpus_parts_cover_every_section_once_in_near_equal_parts(eval_long, model):
+def test_corpus_parts_cut_the_long_documents_between_sections_with_the_opening(eval_long, model):
+    """The parts the suite's `parts` condition trains (cartridges.parts, as `cartridges train
+    --parts` cuts): whole "## N." sections after the corpus' opening, never a subsection."""
+    from cartridges.parts import DEFAULT_PART_CONTEXTS, corpus_parts
+
     doc = eval_long.load_document("chronicle")
-    limit = eval_long.PART_CONTEXTS * model.context_length
-    parts = eval_long.corpus_parts(model, doc, limit)
+    limit = DEFAULT_PART_CONTEXTS * model.context_length
+    parts = corpus_parts(model.tokenizer, doc.text, limit)
     total = len(model.tokenizer.encode(doc.text))
     assert len(parts) == -(-total // limit)  # the fewest parts of the limit or fewer
     opening = doc.text[:doc.text.index("## 1. ")].strip()
@@ -121,6 +125,3 @@ def test_corpus_parts_cover_every_section_once_in_near_equal_parts(eval_long, mo
     assert "\n\n".join(p[len(opening) + 2:] for p in parts) == "\n\n".join(doc.sections)
     sizes = [len(model.tokenizer.encode(p)) for p in parts]
     assert max(sizes) <= 1.1 * min(sizes)
-    # A corpus within the limit is one part: itself.
-    short = eval_long.load_document("atlas")
-    assert eval_long.corpus_parts(model, short, 10 ** 6) == [short.text.strip()]

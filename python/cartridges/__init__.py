@@ -10,6 +10,7 @@ from .engine import CacheFullError, ContextLengthError, Engine, EngineBusyError
 from .stream import Completion, Delta, GenerationError, Stream, TokenLogprob
 from .model import Model, load_model
 from .models import ModelLoadError
+from .parts import train_parts
 from .selfstudy import TrainConfig
 from .training import train
 
@@ -37,5 +38,6 @@ __all__ = [
     "load_cartridge",
     "load_model",
     "train",
+    "train_parts",
     "__version__",
 ]

@@ -32,9 +32,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="a Hugging Face model directory or a .gguf file (default: the embedded "
                         "SmolLM2-135M-Instruct); with --server, a model id: the base model's or a cartridge's")
     add_device_argument(parser, "runs on, without --server")
-    parser.add_argument("--cartridge", metavar="CART", action="append", default=[],
+    parser.add_argument("--cartridge", metavar="CART", action="extend", nargs="+", default=[],
                         help="a trained cartridge file (.safetensors, or a research .pt) as context; with --server, "
-                        "a cartridge id of that server (not a file); repeat to compose several (see --composition)")
+                        "a cartridge id of that server (not a file); give several (after one --cartridge or "
+                        "repeated) to compose them (see --composition), e.g. the parts of `cartridges train --parts`")
     parser.add_argument("--composition", choices=["mixture", "concatenate"], default="mixture",
                         help="how several cartridges are composed: mixture (each reads the conversation on its own "
                         "and the one that explains it best speaks; the default) or concatenate (their KV one "

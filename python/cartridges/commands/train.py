@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import typing
 from pathlib import Path
@@ -57,6 +58,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "named PATH.*); without --resume an earlier run's state there is replaced")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint (needs it)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--parts", action="store_true", help="for a corpus far beyond the context: cut it at headings "
+                        "(or paragraphs) into parts of at most --part-tokens, train a cartridge per part and write "
+                        "part j of k to CART with .partJofK before its suffix; name them all in a chat, which composes "
+                        "them by mixture (a corpus within one part: one cartridge, written to CART)")
+    parser.add_argument("--part-tokens", type=int, metavar="N", help="with --parts, the most tokens of a part "
+                        "(default: two of the model's contexts, 16,384 tokens for the default model)")
     summaries = field_summaries()
     for name, info in TrainConfig.model_fields.items():
         _config_argument(parser, name, info, summaries[name])
@@ -87,10 +94,17 @@ def read_text(path: Path) -> str:
     return text
 
 
-def check_paths(files: list[str], out: str, checkpoint: str | None, resume: bool) -> None:
+def check_paths(files: list[str], out: str, checkpoint: str | None, resume: bool, parts: bool = False,
+                part_tokens: int | None = None) -> None:
     """What would fail only after hours of training, or destroy a file, refused up front."""
     if resume and checkpoint is None:
         raise InputError("--resume needs --checkpoint: the path of the training state to continue from")
+    if part_tokens is not None and not parts:
+        raise InputError("--part-tokens needs --parts")
+    from ..parts import MIN_PART_TOKENS
+
+    if part_tokens is not None and part_tokens < MIN_PART_TOKENS:
+        raise InputError(f"--part-tokens must be at least {MIN_PART_TOKENS}")
     inputs = {Path(f).resolve() for f in files}
     for flag, value in (("--out", out), ("--checkpoint", checkpoint)):
         if value is None:
@@ -118,7 +132,7 @@ def save(cartridge: Any, out: Path) -> Path:
     except Exception as error:
         import tempfile
 
-        fallback = Path(tempfile.gettempdir()) / f"cartridge-{os.getpid()}{out.suffix or '.safetensors'}"
+        fallback = Path(tempfile.gettempdir()) / f"cartridge-{os.getpid()}-{out.stem}{out.suffix or '.safetensors'}"
         print(f"error: cannot write {out} ({error}); writing {fallback} instead", file=sys.stderr)
         cartridge.export_pt(fallback) if out.suffix == ".pt" else cartridge.save(fallback)
         return fallback
@@ -138,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {describe(error)}", file=sys.stderr)
         return 2
     try:
-        check_paths(args.files, args.out, args.checkpoint, args.resume)
+        check_paths(args.files, args.out, args.checkpoint, args.resume, args.parts, args.part_tokens)
     except InputError as error:  # how the command was called
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -150,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
     model = load_model_or_report(args.model, args.device)
     if model is None:
         return 1
+    if args.parts:
+        return _train_parts(model, texts, config, args)
     try:
         cartridge: Cartridge = train(model, texts, config, progress=not args.no_progress,
                                      checkpoint=args.checkpoint, resume=args.resume)
@@ -157,6 +173,42 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     out = save(cartridge, Path(args.out))
+    describe_trained(cartridge, out)
+    return 0 if out == Path(args.out) else 1
+
+
+def part_path(out: Path, part: int, count: int) -> Path:
+    """Where part `part` of `count` goes: CART.partJofK.safetensors for CART.safetensors (CART
+    itself when there is one part)."""
+    return out if count == 1 else out.with_name(f"{out.stem}.part{part}of{count}{out.suffix}")
+
+
+def _train_parts(model: Any, texts: list[str], config: Any, args: argparse.Namespace) -> int:
+    from ..parts import train_parts
+    from ..training import CheckpointMismatch
+
+    written: list[Path] = []
+
+    def save_part(part: int, count: int, cartridge: Any) -> None:  # as soon as trained: a later failure keeps it
+        wanted = part_path(Path(args.out), part, count)
+        written.append(save(cartridge, wanted))
+        describe_trained(cartridge, written[-1])
+
+    try:
+        cartridges = train_parts(model, texts, config, args.part_tokens, progress=not args.no_progress,
+                                 checkpoint=args.checkpoint, resume=args.resume, on_trained=save_part)
+    except CheckpointMismatch as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if len(cartridges) > 1:
+        print(f"{len(cartridges)} parts; chat with all of them (composed by mixture):\n  cartridges chat --cartridge "
+              + " ".join(shlex.quote(str(path)) for path in written), file=sys.stderr)
+    wanted = [part_path(Path(args.out), j, len(cartridges)) for j in range(1, len(cartridges) + 1)]
+    return 0 if written == wanted else 1
+
+
+def describe_trained(cartridge: Any, out: Path) -> None:
+    """What was written and how the training went, on stderr."""
     stats = cartridge.stats
     print(f"wrote {out}: {cartridge.num_tokens} tokens, {cartridge.nbytes / 2**20:.1f} MiB; "
           f"{stats['num_conversations']} conversations, {stats['steps']} steps, final loss "
@@ -170,4 +222,3 @@ def run(args: argparse.Namespace) -> int:
 
         for line in describe_quality(stats["quality"]):
             print(line, file=sys.stderr)
-    return 0 if out == Path(args.out) else 1

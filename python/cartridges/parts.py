@@ -1,0 +1,148 @@
+"""A corpus far beyond the context as parts, a cartridge trained for each and all of them
+composed by mixture when served.
+
+One cartridge remembers a corpus of one or two contexts better than one of five or six: on the
+53K-token chronicle four parts recover 0.66 of the oracle's gain against one cartridge's 0.61,
+on the held-out 44K-token university calendar three parts 0.57 against 0.51, for the parts'
+count times the KV and the same training time (docs/experiments.md, "Does a cartridge per part
+of a long corpus, composed by mixture, remember more of it?"). A chat request that names all the
+parts' cartridges is answered by the mixture, which puts its weight on the part the question is
+about; a question that joins two parts is answered from one of them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MIN_PART_TOKENS = 64
+DEFAULT_PART_CONTEXTS = 2  # parts of two contexts: where the defaults reach 0.70-0.73 on held-out corpora
+HEADING = re.compile(r"(#{1,6}) ")  # a markdown heading starts a paragraph: the best place for a cut
+# What a cut prefers, best first: before a heading (of level 1, ..., 6), between paragraphs, between
+# lines, between words.
+PARAGRAPH_CUT, LINE_CUT, WORD_CUT = 7, 8, 9
+CUT_KINDS = (1, 2, 3, 4, 5, 6, PARAGRAPH_CUT, LINE_CUT, WORD_CUT)
+
+
+@dataclass
+class _Piece:
+    text: str
+    cut: int  # what the boundary before it is: the level of the heading it starts with, or *_CUT
+    tokens: int
+
+
+def _pieces(tokenizer: Any, text: str, longest: int) -> list[_Piece]:
+    """`text` as paragraphs, each a piece; a paragraph of more than `longest` tokens as its
+    lines, and a line of more as runs of words, so that a cut can fall inside it."""
+    pieces = []
+    for paragraph in (p.strip() for p in re.split(r"\n[ \t]*\n", text)):
+        if not paragraph:
+            continue
+        heading = HEADING.match(paragraph)
+        first = len(heading.group(1)) if heading else PARAGRAPH_CUT
+        tokens = len(tokenizer.encode(paragraph))
+        if tokens <= longest:
+            pieces.append(_Piece(paragraph, first, tokens))
+            continue
+        for i, line in enumerate(line for line in paragraph.splitlines() if line.strip()):
+            cut = first if i == 0 else LINE_CUT
+            tokens = len(tokenizer.encode(line))
+            if tokens <= longest:
+                pieces.append(_Piece(line, cut, tokens))
+                continue
+            words = line.split()
+            per_run = max(1, math.ceil(len(words) * longest / tokens))  # about `longest` tokens a run
+            for k in range(0, len(words), per_run):
+                run = " ".join(words[k:k + per_run])
+                pieces.append(_Piece(run, cut if k == 0 else WORD_CUT, len(tokenizer.encode(run))))
+    return pieces
+
+
+def _joined(pieces: Sequence[_Piece]) -> str:
+    separators = {LINE_CUT: "\n", WORD_CUT: " "}  # paragraphs and headings: a blank line
+    return "".join(p.text if i == 0 else separators.get(p.cut, "\n\n") + p.text for i, p in enumerate(pieces))
+
+
+def corpus_parts(tokenizer: Any, texts: str | Sequence[str], max_tokens: int) -> list[str]:
+    """The corpus of `texts` (joined as `Corpus.from_texts` joins them) cut into the fewest
+    parts of about `max_tokens` tokens or fewer, of near-equal length. Each cut falls at the best
+    kind of boundary that lies within a quarter of a part of its equal share, the nearest of
+    that kind: before a heading of the highest level ("# ..." first, "###### ..." last), else
+    between paragraphs, lines or words. Every part after the first starts with the corpus'
+    opening (its headings and first paragraph, when they are short), so that it says what it is
+    a part of. A corpus of at most `max_tokens` tokens is one part, the corpus as it is."""
+    if max_tokens < MIN_PART_TOKENS:
+        raise ValueError(f"max_tokens must be at least {MIN_PART_TOKENS}, not {max_tokens}")
+    texts = [texts] if isinstance(texts, str) else [t for t in texts if t.strip()]
+    whole = "\n\n".join(texts)
+    if len(tokenizer.encode(whole)) <= max_tokens:
+        return [whole]
+    pieces = _pieces(tokenizer, whole, max_tokens // 16)
+    # The opening: the leading headings and the first paragraph, when it is whole (not cut into lines) and short.
+    opening_end = next((i for i, p in enumerate(pieces) if p.cut >= PARAGRAPH_CUT), 0)  # the first paragraph
+    whole_paragraph = opening_end + 1 < len(pieces) and pieces[opening_end + 1].cut <= PARAGRAPH_CUT
+    if whole_paragraph and sum(p.tokens for p in pieces[:opening_end + 1]) <= max_tokens // 16:
+        opening_end += 1
+    opening, body = pieces[:opening_end], pieces[opening_end:]
+    before = [0]  # before[i]: the tokens of body[:i]
+    for p in body:
+        before.append(before[-1] + p.tokens)
+    count = min(len(body), math.ceil(before[-1] / max_tokens))
+    if count == 1:  # the body fits, the opening with it a little over: the corpus as it is
+        return [whole]
+    share = before[-1] / count
+    starts = [0]  # the body piece each part starts at
+    for j in range(1, count):
+        candidates = range(starts[-1] + 1, len(body) - (count - j) + 1)
+        target = j * share
+        for kind in CUT_KINDS:
+            near = [i for i in candidates if body[i].cut <= kind and abs(before[i] - target) <= share / 4]
+            if near:
+                break
+        else:  # pieces too long for any cut near the share (only with very few of them): the nearest cut
+            near = list(candidates)
+        starts.append(min(near, key=lambda i: abs(before[i] - target)))
+    ends = [*starts[1:], len(body)]
+    return [_joined([*opening, *body[start:end]]) for start, end in zip(starts, ends)]
+
+
+def train_parts(
+    model: Any,
+    texts: str | Sequence[str],
+    config: Any = None,
+    max_part_tokens: int | None = None,
+    progress: bool = True,
+    *,
+    checkpoint: str | os.PathLike[str] | None = None,
+    resume: bool = False,
+    on_trained: Callable[[int, int, Any], object] | None = None,
+) -> list[Any]:
+    """A cartridge per part of the corpus (`corpus_parts`, parts of at most `max_part_tokens`:
+    by default two of the model's contexts), each trained by `train` with `config` decided for
+    its own part; a corpus that fits in one part gets one cartridge, as `train` makes it. Serve
+    them together, composed by mixture (a chat request naming them all, the default
+    composition). `progress` shows which part trains and its bar. With `checkpoint`, part j of k
+    keeps its training state at CHECKPOINT.partJofK (and `resume` continues each part from its
+    own). `on_trained(j, k, cartridge)` is called as soon as part j of k is trained (to save it
+    before the next one starts)."""
+    from .cartridge import native_model
+    from .training import train
+
+    context = native_model(model).config.max_position_embeddings
+    max_part_tokens = max_part_tokens or DEFAULT_PART_CONTEXTS * context
+    texts_of_parts = corpus_parts(model.tokenizer, texts, max_part_tokens)
+    count = len(texts_of_parts)
+    cartridges = []
+    for j, text in enumerate(texts_of_parts, 1):
+        if progress and count > 1:
+            print(f"part {j} of {count}: {len(model.tokenizer.encode(text)):,} tokens", file=sys.stderr)
+        part_checkpoint = None if checkpoint is None else f"{checkpoint}.part{j}of{count}"
+        cartridges.append(train(model, text, config, progress, checkpoint=part_checkpoint, resume=resume))
+        if on_trained is not None:
+            on_trained(j, count, cartridges[-1])
+    return cartridges

@@ -1,0 +1,109 @@
+"""A corpus far beyond the context as parts (cartridges.parts): where it is cut, what each part
+holds, and a cartridge trained per part, by the library and by `cartridges train --parts`."""
+
+import io
+import re
+
+import pytest
+
+from cartridges.cartridge import Cartridge
+from cartridges.parts import corpus_parts, train_parts
+from cartridges.selfstudy import TrainConfig
+
+
+class Words:
+    """A tokenizer of one token per word: sizes that are easy to reason about."""
+
+    def encode(self, text):
+        return text.split()
+
+
+def manual(sections=12, paragraphs=4, words=40):
+    """A markdown corpus: a title and opening paragraph, then "## N." sections of "###"
+    subsections and paragraphs of `words` words."""
+    out = ["# The Harbour Manual", "The rules of the harbour of Tessel, section by section."]
+    for n in range(1, sections + 1):
+        out.append(f"## {n}. Section {n}")
+        for k in range(paragraphs):
+            if k == 2:
+                out.append(f"### Subsection {n}.{k}")
+            out.append(" ".join(f"s{n}p{k}w{i}" for i in range(words)))
+    return "\n\n".join(out)
+
+
+def test_parts_cut_before_section_headings_into_near_equal_parts_each_with_the_opening():
+    text = manual()
+    total = len(text.split())
+    parts = corpus_parts(Words(), text, 600)
+    assert len(parts) == -(-total // 600)  # the fewest parts of about the limit
+    opening = "# The Harbour Manual\n\nThe rules of the harbour of Tessel, section by section."
+    assert all(p.startswith(opening + "\n\n## ") for p in parts)  # at a section, never a subsection
+    bodies = [p[len(opening) + 2:] for p in parts]
+    assert "\n\n".join([opening, *bodies]) == text  # every section once, whole and in order
+    sizes = [len(p.split()) for p in parts]
+    assert max(sizes) <= 1.25 * min(sizes)
+    # A corpus within the limit is one part, the corpus as it is; several texts join as a corpus joins them.
+    assert corpus_parts(Words(), text, 10 ** 6) == [text]
+    assert corpus_parts(Words(), ["one two", "", "three"], 100) == ["one two\n\nthree"]
+    with pytest.raises(ValueError, match="at least 64"):
+        corpus_parts(Words(), text, 10)
+
+
+def test_a_corpus_without_headings_or_paragraphs_is_cut_between_lines_then_words():
+    lines = "\n".join(" ".join(f"l{n}w{i}" for i in range(30)) for n in range(100))  # one paragraph, 3,000 words
+    parts = corpus_parts(Words(), lines, 1000)
+    assert len(parts) == 3 and "\n".join(parts) == lines  # whole lines: no opening to repeat, none lost
+    assert all(abs(len(p.split()) - 1000) <= 250 for p in parts)
+    words = " ".join(f"w{i}" for i in range(2500))  # one line
+    parts = corpus_parts(Words(), words, 1000)
+    assert len(parts) == 3 and " ".join(parts) == words
+
+
+def test_a_cartridge_is_trained_per_part(model, tmp_path):
+    text = manual(sections=4, paragraphs=2, words=30)  # 1,993 characters: the tiny model's tokens
+    config = TrainConfig(num_tokens=8, num_samples=2, objective="next_token", seed=1)
+    trained = []
+    carts = train_parts(model, text, config, max_part_tokens=1500, progress=False,
+                        checkpoint=tmp_path / "ck", on_trained=lambda j, k, c: trained.append((j, k, c.num_tokens)))
+    assert len(carts) == 2 and trained == [(1, 2, 8), (2, 2, 8)]
+    assert all(isinstance(c, Cartridge) for c in carts)
+    assert (tmp_path / "ck.part1of2.key").exists() and (tmp_path / "ck.part2of2.key").exists()
+    # The default part: two of the model's contexts (1,024 tokens for the tiny model), one part for this corpus.
+    assert len(train_parts(model, text[:1500], config, progress=False)) == 1
+
+
+def test_train_command_writes_a_cartridge_per_part_and_chat_takes_them_all(model, tmp_path, monkeypatch, capsys):
+    import cartridges.model
+    from cartridges.cli import main
+
+    monkeypatch.setattr(cartridges.model, "load_model", lambda path=None, **kw: model)
+    (tmp_path / "manual.md").write_text(manual(sections=4, paragraphs=2, words=30))
+    out = tmp_path / "manual.safetensors"
+    base = ["train", str(tmp_path / "manual.md"), "--out", str(out), "--num-tokens", "8", "--num-samples", "2",
+            "--objective", "next_token", "--no-progress"]
+    assert main(base + ["--parts", "--part-tokens", "1500"]) == 0
+    written = [tmp_path / "manual.part1of2.safetensors", tmp_path / "manual.part2of2.safetensors"]
+    assert all(p.is_file() for p in written) and not out.exists()
+    err = capsys.readouterr().err
+    assert f"cartridges chat --cartridge {written[0]} {written[1]}" in err
+    assert [Cartridge.load(p, model).num_tokens for p in written] == [8, 8]
+    # A corpus within one part (1,993 tokens; two contexts of the tiny model: 2,048): one cartridge, at --out.
+    assert main(base + ["--parts"]) == 0 and out.is_file()
+    # --part-tokens needs --parts, and a part of some size.
+    assert main(base + ["--part-tokens", "1500"]) == 2
+    assert "--part-tokens needs --parts" in capsys.readouterr().err
+    assert main(base + ["--parts", "--part-tokens", "8"]) == 2
+    assert "at least 64" in capsys.readouterr().err
+
+    class Chatty:  # the chat command's needs, on the tiny model
+        name = "tiny"
+        fingerprint = model.fingerprint
+        native = model.native
+
+        def stream_chat(self, messages, cartridges=(), composition="mixture", **kw):
+            yield f"{len(cartridges)} cartridges by {composition}"
+
+    monkeypatch.setattr(cartridges.model, "load_model", lambda path=None, **kw: Chatty())
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--cartridge", *map(str, written)]) == 0
+    assert re.search(r"2 cartridges by mixture", capsys.readouterr().out)
