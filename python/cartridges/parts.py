@@ -32,40 +32,45 @@ CUT_KINDS = (1, 2, 3, 4, 5, 6, PARAGRAPH_CUT, LINE_CUT, WORD_CUT)
 @dataclass
 class _Piece:
     text: str
-    cut: int  # what the boundary before it is: the level of the heading it starts with, or *_CUT
+    cut: int  # how good a cut before it is: the level of the heading it starts, or *_CUT (lower is better)
+    separator: str  # what joins it to the piece before: a blank line, a newline or a space
     tokens: int
+    heading: bool = False
 
 
 def _pieces(tokenizer: Any, text: str, longest: int) -> list[_Piece]:
     """`text` as paragraphs, each a piece; a paragraph of more than `longest` tokens as its
-    lines, and a line of more as runs of words, so that a cut can fall inside it."""
-    pieces = []
+    lines, and a line of more as runs of words, so that a cut can fall inside it. A heading
+    stays with what follows it: the cut right after it is the worst kind."""
+    pieces: list[_Piece] = []
     for paragraph in (p.strip() for p in re.split(r"\n[ \t]*\n", text)):
         if not paragraph:
             continue
         heading = HEADING.match(paragraph)
         first = len(heading.group(1)) if heading else PARAGRAPH_CUT
+        if pieces and pieces[-1].heading:
+            first = WORD_CUT
         tokens = len(tokenizer.encode(paragraph))
         if tokens <= longest:
-            pieces.append(_Piece(paragraph, first, tokens))
+            pieces.append(_Piece(paragraph, first, "\n\n", tokens, heading=heading is not None))
             continue
         for i, line in enumerate(line for line in paragraph.splitlines() if line.strip()):
-            cut = first if i == 0 else LINE_CUT
+            cut, separator = (first, "\n\n") if i == 0 else (LINE_CUT, "\n")
             tokens = len(tokenizer.encode(line))
             if tokens <= longest:
-                pieces.append(_Piece(line, cut, tokens))
+                pieces.append(_Piece(line, cut, separator, tokens))
                 continue
             words = line.split()
             per_run = max(1, math.ceil(len(words) * longest / tokens))  # about `longest` tokens a run
             for k in range(0, len(words), per_run):
                 run = " ".join(words[k:k + per_run])
-                pieces.append(_Piece(run, cut if k == 0 else WORD_CUT, len(tokenizer.encode(run))))
+                pieces.append(_Piece(run, cut if k == 0 else WORD_CUT, separator if k == 0 else " ",
+                                     len(tokenizer.encode(run))))
     return pieces
 
 
 def _joined(pieces: Sequence[_Piece]) -> str:
-    separators = {LINE_CUT: "\n", WORD_CUT: " "}  # paragraphs and headings: a blank line
-    return "".join(p.text if i == 0 else separators.get(p.cut, "\n\n") + p.text for i, p in enumerate(pieces))
+    return "".join(p.text if i == 0 else p.separator + p.text for i, p in enumerate(pieces))
 
 
 def corpus_parts(tokenizer: Any, texts: str | Sequence[str], max_tokens: int) -> list[str]:
@@ -84,8 +89,8 @@ def corpus_parts(tokenizer: Any, texts: str | Sequence[str], max_tokens: int) ->
         return [whole]
     pieces = _pieces(tokenizer, whole, max_tokens // 16)
     # The opening: the leading headings and the first paragraph, when it is whole (not cut into lines) and short.
-    opening_end = next((i for i, p in enumerate(pieces) if p.cut >= PARAGRAPH_CUT), 0)  # the first paragraph
-    whole_paragraph = opening_end + 1 < len(pieces) and pieces[opening_end + 1].cut <= PARAGRAPH_CUT
+    opening_end = next((i for i, p in enumerate(pieces) if not p.heading), 0)  # the first paragraph
+    whole_paragraph = opening_end + 1 < len(pieces) and pieces[opening_end + 1].separator == "\n\n"
     if whole_paragraph and sum(p.tokens for p in pieces[:opening_end + 1]) <= max_tokens // 16:
         opening_end += 1
     opening, body = pieces[:opening_end], pieces[opening_end:]

@@ -49,6 +49,15 @@ def test_parts_cut_before_section_headings_into_near_equal_parts_each_with_the_o
         corpus_parts(Words(), text, 10)
 
 
+def test_several_files_are_cut_between_files_when_one_ends_near_the_share():
+    from cartridges.selfstudy.chunking import named_texts
+
+    files = [(f"file{n}.md", manual(sections=3, paragraphs=2, words=30)) for n in range(4)]
+    parts = corpus_parts(Words(), named_texts(files), 500)  # four files of 208 words: two parts
+    opening = "# file0.md\n\n# The Harbour Manual\n\nThe rules of the harbour of Tessel, section by section."
+    assert len(parts) == 2 and parts[1].startswith(opening + "\n\n# file2.md\n\n")
+
+
 def test_a_corpus_without_headings_or_paragraphs_is_cut_between_lines_then_words():
     lines = "\n".join(" ".join(f"l{n}w{i}" for i in range(30)) for n in range(100))  # one paragraph, 3,000 words
     parts = corpus_parts(Words(), lines, 1000)
