@@ -376,6 +376,9 @@ def main() -> int:
     unknown = set(args.conditions) - set(CONDITIONS)
     if unknown:
         parser.error(f"unknown conditions {sorted(unknown)}; choose from {', '.join(CONDITIONS)}")
+    trained = sorted({"cartridge", "cartridge+retrieval", "parts"} & set(args.conditions))
+    if args.baselines_only and set(args.conditions) != set(DEFAULT_CONDITIONS) and trained:
+        parser.error(f"--baselines-only trains nothing, and {', '.join(trained)} need training: leave out one or the other")
 
     if args.plot_dir is None:
         full_run = (not args.overrides and not args.baselines_only and set(args.conditions) == set(DEFAULT_CONDITIONS)

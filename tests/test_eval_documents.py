@@ -125,3 +125,12 @@ def test_corpus_parts_cut_the_long_documents_between_sections_with_the_opening(e
     assert "\n\n".join(p[len(opening) + 2:] for p in parts) == "\n\n".join(doc.sections)
     sizes = [len(model.tokenizer.encode(p)) for p in parts]
     assert max(sizes) <= 1.1 * min(sizes)
+
+
+def test_baselines_only_with_a_trained_condition_asked_for_is_refused(eval_long, monkeypatch, capsys):
+    """--baselines-only trains nothing: asking for parts (or the cartridge) with it is an error,
+    not a run that leaves them out without a word."""
+    monkeypatch.setattr(sys, "argv", ["eval_long.py", "--docs", "atlas", "--conditions", "parts", "--baselines-only"])
+    with pytest.raises(SystemExit) as stopped:
+        eval_long.main()
+    assert stopped.value.code == 2 and "parts need training" in capsys.readouterr().err
