@@ -6,9 +6,10 @@ One cartridge remembers a corpus of one or two contexts better than one of five 
 on the held-out 44K-token university calendar three parts 0.57 against 0.51, on the held-out
 41K-token lighthouse handbook 0.60 against 0.58-0.63 with nearly three times the exact answers,
 for the parts' count times the KV and the same training time (docs/experiments.md, "Does a
-cartridge per part of a long corpus, composed by mixture, remember more of it?"). A chat request that names all the
-parts' cartridges is answered by the mixture, which puts its weight on the part the question is
-about; a question that joins two parts is answered from one of them.
+cartridge per part of a long corpus, composed by mixture, remember more of it?"). A chat request
+that names all the parts' cartridges is answered by the mixture, which puts its weight on the
+part the question is about; a question that joins two parts is answered from one of them. They
+are not to be concatenated: parts trained apart read as one cartridge recover half as much.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .cartridge import Cartridge
+    from .selfstudy import TrainConfig
 
 MIN_PART_TOKENS = 64
 DEFAULT_PART_CONTEXTS = 2  # parts of two contexts: where the defaults reach 0.70-0.73 on held-out corpora
@@ -120,14 +125,14 @@ def corpus_parts(tokenizer: Any, texts: str | Sequence[str], max_tokens: int) ->
 def train_parts(
     model: Any,
     texts: str | Sequence[str],
-    config: Any = None,
+    config: TrainConfig | None = None,
     max_part_tokens: int | None = None,
     progress: bool = True,
     *,
     checkpoint: str | os.PathLike[str] | None = None,
     resume: bool = False,
-    on_trained: Callable[[int, int, Any], object] | None = None,
-) -> list[Any]:
+    on_trained: Callable[[int, int, Cartridge], object] | None = None,
+) -> list[Cartridge]:
     """A cartridge per part of the corpus (`corpus_parts`, parts of at most `max_part_tokens`:
     by default two of the model's contexts), each trained by `train` with `config` decided for
     its own part; a corpus that fits in one part gets one cartridge, as `train` makes it. Serve
