@@ -19,6 +19,7 @@ import math
 import os
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -138,10 +139,11 @@ def train_parts(
     by default two of the model's contexts), each trained by `train` with `config` decided for
     its own part; a corpus that fits in one part gets one cartridge, as `train` makes it. Serve
     them together, composed by mixture (a chat request naming them all, the default
-    composition). `progress` shows which part trains and its bar. With `checkpoint`, part j of k
-    keeps its training state at CHECKPOINT.partJofK (and `resume` continues each part from its
-    own). `on_trained(j, k, cartridge)` is called as soon as part j of k is trained (to save it
-    before the next one starts)."""
+    composition). `progress` shows which part trains, its bar, and after each part the time the
+    others will take. With `checkpoint`, part j of k keeps its training state at
+    CHECKPOINT.partJofK (and `resume` continues each part from its own). `on_trained(j, k,
+    cartridge)` is called as soon as part j of k is trained (to save it before the next one
+    starts)."""
     from .cartridge import native_model
     from .training import train
 
@@ -149,12 +151,26 @@ def train_parts(
     max_part_tokens = max_part_tokens or DEFAULT_PART_CONTEXTS * context
     texts_of_parts = corpus_parts(model.tokenizer, texts, max_part_tokens)
     count = len(texts_of_parts)
+    sizes = [len(model.tokenizer.encode(text)) for text in texts_of_parts]
     cartridges = []
+    started = time.monotonic()
     for j, text in enumerate(texts_of_parts, 1):
         if progress and count > 1:
-            print(f"part {j} of {count}: {len(model.tokenizer.encode(text)):,} tokens", file=sys.stderr)
+            print(f"part {j} of {count}: {sizes[j - 1]:,} tokens", file=sys.stderr)
         part_checkpoint = None if checkpoint is None else f"{checkpoint}.part{j}of{count}"
         cartridges.append(train(model, text, config, progress, checkpoint=part_checkpoint, resume=resume))
         if on_trained is not None:
             on_trained(j, count, cartridges[-1])
+        if progress and j < count:
+            print(f"part {j} of {count} done; {remaining_estimate(time.monotonic() - started, sizes, j)}",
+                  file=sys.stderr)
     return cartridges
+
+
+def remaining_estimate(elapsed_s: float, sizes: Sequence[int], done: int) -> str:
+    """The time the parts after the first `done` will take, at the pace of those (training time
+    grows about linearly with a part's tokens): "about 31 minutes for the other 2 parts"."""
+    left = sum(sizes[done:]) * elapsed_s / max(sum(sizes[:done]), 1)
+    others = len(sizes) - done
+    amount = f"{left / 60:.0f} minutes" if left >= 90 else f"{left:.0f} seconds"
+    return f"about {amount} for the last part" if others == 1 else f"about {amount} for the other {others} parts"

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from cartridges.cartridge import Cartridge
-from cartridges.parts import corpus_parts, train_parts
+from cartridges.parts import corpus_parts, remaining_estimate, train_parts
 from cartridges.selfstudy import TrainConfig
 
 
@@ -79,6 +79,11 @@ def test_a_cartridge_is_trained_per_part(model, tmp_path):
     assert (tmp_path / "ck.part1of2.key").exists() and (tmp_path / "ck.part2of2.key").exists()
     # The default part: two of the model's contexts (1,024 tokens for the tiny model), one part for this corpus.
     assert len(train_parts(model, text[:1500], config, progress=False)) == 1
+
+
+def test_the_time_left_is_estimated_from_the_parts_done_by_their_tokens():
+    assert remaining_estimate(600.0, [1000, 2000, 1000], 1) == "about 30 minutes for the other 2 parts"
+    assert remaining_estimate(40.0, [1000, 1000], 1) == "about 40 seconds for the last part"
 
 
 def test_train_command_writes_a_cartridge_per_part_and_chat_takes_them_all(model, tmp_path, monkeypatch, capsys):
