@@ -4,7 +4,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch  # noqa: F401  (loads libtorch before the compiled core)
 
-from .cartridge import Cartridge, CartridgeFileError, load_cartridge
+from .cartridge import Cartridge, CartridgeFileError, load_cartridge, load_cartridges, save_cartridges
 from .client import Client
 from .engine import CacheFullError, ContextLengthError, Engine, EngineBusyError
 from .stream import Completion, Delta, GenerationError, Stream, TokenLogprob
@@ -36,7 +36,9 @@ __all__ = [
     "ModelLoadError",
     "TrainConfig",
     "load_cartridge",
+    "load_cartridges",
     "load_model",
+    "save_cartridges",
     "train",
     "train_parts",
     "__version__",

@@ -26,6 +26,14 @@ that files without biases stay readable by every version), and string metadata:
 
 `Cartridge.load` checks all of it and raises `CartridgeFileError` on any mismatch. A file
 without `quality` loads with `quality` None; the checksum does not cover it.
+
+A corpus trained in parts (`cartridges.parts`) is one file of `format_version` 3 holding a
+cartridge per part: part j's tensors under `parts.{j}.` (`parts.0.layers.0.keys`, ...) and the
+metadata `num_parts` and `parts`, a JSON list of each part's metadata as above (its own
+checksum, config and quality). Such a cartridge is served with its parts composed by mixture:
+`load_cartridges` reads it as a list, `Cartridge.load` refuses it (`PartsFileError`), and older
+versions refuse it by its version rather than read it as one cartridge (parts trained apart and
+concatenated recover half as much).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import cartridges_core
 FORMAT = "cartridges.cartridge"
 FORMAT_VERSION = 1  # files without attention biases
 FORMAT_VERSION_BIASED = 2  # files with them
+FORMAT_VERSION_PARTS = 3  # files holding a cartridge per part of a corpus
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,6 +64,10 @@ class CartridgeFileError(ValueError):
         super().__init__(f"{path}: {reason}")
         self.path = Path(path)
         self.reason = reason
+
+
+class PartsFileError(CartridgeFileError):
+    """A file holding a cartridge per part of a corpus where one cartridge was asked for."""
 
 
 class UnexportableError(ValueError):
@@ -258,37 +271,27 @@ class Cartridge:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the cartridge as safetensors (see the module doc), atomically."""
-        from safetensors.torch import save_file
-
-        tensors, metadata = self._tensors_and_metadata()
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata=metadata)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _write_atomically(*self._tensors_and_metadata(), Path(path))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: Any | None = None) -> Cartridge:
         """Read a cartridge file; with `model`, also check that it was made for that model."""
-        from safetensors import SafetensorError, safe_open
-
         path = Path(path)
-        if not path.is_file():
-            raise CartridgeFileError(path, "no such file")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                names = set(f.keys())
-                tensors = {name: f.get_tensor(name) for name in names}
-        except (SafetensorError, OSError, ValueError, RuntimeError) as error:
-            raise CartridgeFileError(path, f"not a readable safetensors file (truncated or damaged?): {error}") from None
-        if meta.get("format") != FORMAT:
-            raise CartridgeFileError(path, "not a cartridge file (no 'format: cartridges.cartridge' metadata)")
+        meta, tensors = _read_cartridge_file(path)
+        if meta.get("format_version") == str(FORMAT_VERSION_PARTS):
+            raise PartsFileError(path, f"holds a cartridge per part of a corpus ({meta.get('num_parts')} parts), "
+                                 "served together by mixture: read it with cartridges.load_cartridges")
+        return cls._checked(path, meta, tensors, model)
+
+    @classmethod
+    def _checked(cls, path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor],
+                 model: Any | None) -> Cartridge:
+        """The cartridge of one file's (or one part's) metadata and tensors, all of it checked."""
+        names = set(tensors)
         if meta.get("format_version") not in (str(FORMAT_VERSION), str(FORMAT_VERSION_BIASED)):
             raise CartridgeFileError(
                 path, f"format version {meta.get('format_version')!r}; this version reads "
-                f"{FORMAT_VERSION} and {FORMAT_VERSION_BIASED}"
+                f"{FORMAT_VERSION}, {FORMAT_VERSION_BIASED} and {FORMAT_VERSION_PARTS} (parts)"
             )
         biased = meta["format_version"] == str(FORMAT_VERSION_BIASED)
         try:
@@ -417,6 +420,100 @@ class Cartridge:
         from .peft_adapter import load_peft
 
         return load_peft(directory, model)
+
+
+def _read_cartridge_file(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """A cartridge file's metadata and tensors, its format checked (not yet its version)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise CartridgeFileError(path, "no such file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        raise CartridgeFileError(path, f"not a readable safetensors file (truncated or damaged?): {error}") from None
+    if meta.get("format") != FORMAT:
+        raise CartridgeFileError(path, "not a cartridge file (no 'format: cartridges.cartridge' metadata)")
+    return meta, tensors
+
+
+def _parts_tensors_and_metadata(parts: Sequence[Cartridge]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    if len(parts) < 2:
+        raise ValueError("a parts file holds two or more cartridges; save one with Cartridge.save")
+    tensors: dict[str, torch.Tensor] = {}
+    metadata = []
+    for j, part in enumerate(parts):
+        part_tensors, part_metadata = part._tensors_and_metadata()
+        tensors.update({f"parts.{j}.{name}": t for name, t in part_tensors.items()})
+        metadata.append(part_metadata)
+    return tensors, {"format": FORMAT, "format_version": str(FORMAT_VERSION_PARTS), "num_parts": str(len(parts)),
+                     "parts": json.dumps(metadata, sort_keys=True)}
+
+
+def parts_to_bytes(parts: Sequence[Cartridge]) -> bytes:
+    """The bytes of a file holding a cartridge per part of a corpus (see the module doc)."""
+    from safetensors.torch import save
+
+    tensors, metadata = _parts_tensors_and_metadata(parts)
+    return save(tensors, metadata=metadata)
+
+
+def save_cartridges(cartridges: Sequence[Cartridge], path: str | os.PathLike[str]) -> None:
+    """Write one cartridge (`Cartridge.save`), or the cartridges of a corpus' parts as one file
+    (see the module doc), atomically."""
+    if len(cartridges) == 1:
+        cartridges[0].save(path)
+    else:
+        _write_atomically(*_parts_tensors_and_metadata(cartridges), Path(path))
+
+
+def _write_atomically(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _load_parts(path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor],
+                model: Any | None) -> list[Cartridge]:
+    try:
+        count = int(meta["num_parts"])
+        metadata = json.loads(meta["parts"])
+    except (KeyError, ValueError) as error:
+        raise CartridgeFileError(path, f"bad or missing metadata: {error}") from None
+    if count < 2 or not isinstance(metadata, list) or len(metadata) != count \
+            or not all(isinstance(m, dict) for m in metadata):
+        raise CartridgeFileError(path, f"the metadata does not describe its {count} parts")
+    parts, claimed = [], set()
+    for j, part_meta in enumerate(metadata):
+        prefix = f"parts.{j}."
+        part_tensors = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+        claimed.update(prefix + name for name in part_tensors)
+        part_meta = {str(k): str(v) for k, v in part_meta.items()}
+        try:
+            parts.append(Cartridge._checked(path, part_meta, part_tensors, model))
+        except CartridgeFileError as error:
+            raise CartridgeFileError(path, f"part {j + 1} of {count}: {error.reason}") from None
+    if claimed != set(tensors):
+        raise CartridgeFileError(path, f"tensors outside its {count} parts")
+    return parts
+
+
+def load_cartridges(path: str | os.PathLike[str], model: Any | None = None) -> list[Cartridge]:
+    """The cartridges of a file: one (as `load_cartridge` reads it), or a cartridge per part of
+    a corpus (a parts file, see the module doc), in order; serve several composed by mixture."""
+    path = Path(path)
+    if path.is_dir() or path.suffix == ".pt":
+        return [load_cartridge(path, model)]
+    meta, tensors = _read_cartridge_file(path)
+    if meta.get("format_version") == str(FORMAT_VERSION_PARTS):
+        return _load_parts(path, meta, tensors, model)
+    return [Cartridge._checked(path, meta, tensors, model)]
 
 
 def load_cartridge(path: str | os.PathLike[str], model: Any | None = None) -> Cartridge:

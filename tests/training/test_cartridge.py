@@ -183,6 +183,53 @@ def test_biased_cartridges_refuse_formats_without_biases(model, tmp_path):
     assert not (tmp_path / "adapter").exists()
 
 
+def test_the_parts_of_a_corpus_are_one_file_read_as_a_list(model, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from cartridges.cartridge import PartsFileError, load_cartridges, parts_to_bytes, save_cartridges
+
+    parts = [trained_like(model, seed=1), biased_like(model), trained_like(model, seed=3).to(torch.bfloat16)]
+    parts[0].config = {"part": 1}
+    parts[1].stats = {"quality": {"recovered": 0.5}}
+    path = tmp_path / "parts.safetensors"
+    save_cartridges(parts, path)
+    loaded = load_cartridges(path, model)
+    (tmp_path / "blob.safetensors").write_bytes(parts_to_bytes(parts))  # what a datablock's blob holds
+    assert load_cartridges(tmp_path / "blob.safetensors") == parts
+    assert loaded == parts and loaded[0].config == {"part": 1} and loaded[1].quality == {"recovered": 0.5}
+    assert loaded[2].dtype == torch.bfloat16 and loaded[1].biases is not None
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata()["format_version"] == "3" and f.metadata()["num_parts"] == "3"
+    # One cartridge's reader refuses it (concatenated, parts trained apart lose half their gain)...
+    with pytest.raises(PartsFileError, match="3 parts.*load_cartridges"):
+        Cartridge.load(path, model)
+    # ... and load_cartridges reads one cartridge's file as a list of one.
+    save_cartridges(parts[:1], tmp_path / "one.safetensors")
+    assert Cartridge.load(tmp_path / "one.safetensors") == parts[0]
+    assert load_cartridges(tmp_path / "one.safetensors") == parts[:1]
+    # Every part is checked: a damaged tensor, a part for another model, a tensor outside the parts.
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    tensors["parts.1.layers.0.values"] = tensors["parts.1.layers.0.values"] + 1
+    save_file(tensors, str(tmp_path / "damaged.safetensors"), metadata=meta)
+    with pytest.raises(CartridgeFileError, match="part 2 of 3: checksum mismatch"):
+        load_cartridges(tmp_path / "damaged.safetensors")
+    with pytest.raises(CartridgeFileError, match="part 1 of 3: cartridge was trained for model"):
+        load_cartridges(path, tiny_model(seed=1))
+    tensors = load_file(str(path))
+    tensors["parts.3.layers.0.keys"] = torch.zeros(1)
+    save_file(tensors, str(tmp_path / "extra.safetensors"), metadata=meta)
+    with pytest.raises(CartridgeFileError, match="outside its 3 parts"):
+        load_cartridges(tmp_path / "extra.safetensors")
+    save_file(load_file(str(path)), str(tmp_path / "nometa.safetensors"), metadata={**meta, "parts": "[]"})
+    with pytest.raises(CartridgeFileError, match="does not describe its 3 parts"):
+        load_cartridges(tmp_path / "nometa.safetensors")
+    with pytest.raises(ValueError, match="two or more"):
+        parts_to_bytes(parts[:1])
+
+
 def test_bad_files_are_refused(model, tmp_path):
     cart = trained_like(model)
     path = tmp_path / "c.safetensors"

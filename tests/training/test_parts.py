@@ -85,8 +85,9 @@ def test_the_time_left_is_estimated_from_the_parts_done_by_their_tokens():
     assert remaining_estimate(40.0, [1000, 1000], 1) == "about 40 seconds for the last part"
 
 
-def test_train_command_writes_a_cartridge_per_part_and_chat_takes_them_all(model, tmp_path, monkeypatch, capsys):
+def test_train_command_writes_the_parts_as_one_file_and_chat_composes_them(model, tmp_path, monkeypatch, capsys):
     import cartridges.model
+    from cartridges.cartridge import PartsFileError, load_cartridges
     from cartridges.cli import main
 
     monkeypatch.setattr(cartridges.model, "load_model", lambda path=None, **kw: model)
@@ -95,18 +96,22 @@ def test_train_command_writes_a_cartridge_per_part_and_chat_takes_them_all(model
     base = ["train", str(tmp_path / "manual.md"), "--out", str(out), "--num-tokens", "8", "--num-samples", "2",
             "--objective", "next_token", "--no-progress"]
     assert main(base + ["--parts", "--part-tokens", "1500"]) == 0
-    written = [tmp_path / "manual.part1of2.safetensors", tmp_path / "manual.part2of2.safetensors"]
-    assert all(p.is_file() for p in written) and not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manual.md", "manual.safetensors"]
     err = capsys.readouterr().err
-    assert f"cartridges chat --cartridge {written[0]} {written[1]}" in err
-    assert [Cartridge.load(p, model).num_tokens for p in written] == [8, 8]
+    assert "part 1 of 2: 8 tokens" in err and "part 2 of 2: 8 tokens" in err
+    assert f"2 parts of 8, 8 tokens" in err and f"cartridges chat --cartridge {out}" in err
+    assert [c.num_tokens for c in load_cartridges(out, model)] == [8, 8]
+    with pytest.raises(PartsFileError, match="2 parts"):
+        Cartridge.load(out)
     # A corpus within one part (1,993 tokens; two contexts of the tiny model: 2,048): one cartridge, at --out.
-    assert main(base + ["--parts"]) == 0 and out.is_file()
-    # --part-tokens needs --parts, and a part of some size.
+    assert main(base + ["--parts"]) == 0 and Cartridge.load(out).num_tokens == 8
+    # --part-tokens needs --parts, and a part of some size; parts are not written as a research .pt.
     assert main(base + ["--part-tokens", "1500"]) == 2
     assert "--part-tokens needs --parts" in capsys.readouterr().err
     assert main(base + ["--parts", "--part-tokens", "8"]) == 2
     assert "at least 64" in capsys.readouterr().err
+    assert main(base[:3] + [str(tmp_path / "manual.pt")] + base[4:] + ["--parts"]) == 2
+    assert "holds one cartridge, not parts" in capsys.readouterr().err
 
     class Chatty:  # the chat command's needs, on the tiny model
         name = "tiny"
@@ -116,7 +121,12 @@ def test_train_command_writes_a_cartridge_per_part_and_chat_takes_them_all(model
         def stream_chat(self, messages, cartridges=(), composition="mixture", **kw):
             yield f"{len(cartridges)} cartridges by {composition}"
 
+    assert main(base + ["--parts", "--part-tokens", "1500"]) == 0
+    single = tmp_path / "single.safetensors"
+    load_cartridges(out)[0].save(single)
     monkeypatch.setattr(cartridges.model, "load_model", lambda path=None, **kw: Chatty())
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
-    assert main(["chat", "--cartridge", *map(str, written)]) == 0
-    assert "2 cartridges by mixture" in capsys.readouterr().out
+    assert main(["chat", "--cartridge", str(out), str(single)]) == 0  # the file's two parts and one more
+    assert "3 cartridges by mixture" in capsys.readouterr().out
+    assert main(["chat", "--cartridge", str(out), "--composition", "concatenate"]) == 2
+    assert "composed by mixture" in capsys.readouterr().err

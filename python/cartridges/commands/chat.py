@@ -35,7 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--cartridge", metavar="CART", action="extend", nargs="+", default=[],
                         help="a trained cartridge file (.safetensors, or a research .pt) as context; with --server, "
                         "a cartridge id of that server (not a file); give several (after one --cartridge or "
-                        "repeated) to compose them (see --composition), e.g. the parts of `cartridges train --parts`")
+                        "repeated) to compose them (see --composition); a file of `cartridges train --parts` "
+                        "brings all its parts, composed by mixture")
     parser.add_argument("--composition", choices=["mixture", "concatenate"], default="mixture",
                         help="how several cartridges are composed: mixture (each reads the conversation on its own "
                         "and the one that explains it best speaks; the default) or concatenate (their KV one "
@@ -93,13 +94,18 @@ def run(args: argparse.Namespace) -> int:
     model = load_model_or_report(args.model, args.device)
     if model is None:
         return 1
-    from ..cartridge import CartridgeFileError, load_cartridge
+    from ..cartridge import CartridgeFileError, load_cartridges
 
     try:
-        prefixes = [load_cartridge(path, model).prefix(model) for path in args.cartridge]
+        files = [load_cartridges(path, model) for path in args.cartridge]
     except CartridgeFileError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    if args.composition == "concatenate" and any(len(parts) > 1 for parts in files):
+        print("error: a cartridge trained in parts is composed by mixture: leave out --composition concatenate",
+              file=sys.stderr)
+        return 2
+    prefixes = [cartridge.prefix(model) for parts in files for cartridge in parts]
     print(f"{model.name} ready. /reset clears the conversation, /exit quits.", file=sys.stderr)
 
     def reply(messages: list[dict[str, Any]]) -> Iterator[str]:

@@ -60,8 +60,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--parts", action="store_true", help="for a corpus far beyond the context: cut it at headings "
                         "(or paragraphs) into parts of at most --part-tokens, train a cartridge per part and write "
-                        "part j of k to CART with .partJofK before its suffix; name them all in a chat, which composes "
-                        "them by mixture (a corpus within one part: one cartridge, written to CART)")
+                        "them all to CART as one file, which chat and the server compose by mixture (a corpus within "
+                        "one part: one cartridge, as without --parts); with --checkpoint, each part's state is kept "
+                        "and --resume goes on from it")
     parser.add_argument("--part-tokens", type=int, metavar="N", help="with --parts, the most tokens of a part "
                         "(default: two of the model's contexts, 16,384 tokens for the default model)")
     summaries = field_summaries()
@@ -105,6 +106,9 @@ def check_paths(files: list[str], out: str, checkpoint: str | None, resume: bool
 
     if part_tokens is not None and part_tokens < MIN_PART_TOKENS:
         raise InputError(f"--part-tokens must be at least {MIN_PART_TOKENS}")
+    if parts and Path(out).suffix == ".pt":
+        raise InputError("--parts writes a cartridge file (.safetensors): the research .pt format holds one "
+                         "cartridge, not parts")
     inputs = {Path(f).resolve() for f in files}
     for flag, value in (("--out", out), ("--checkpoint", checkpoint)):
         if value is None:
@@ -123,18 +127,26 @@ def check_paths(files: list[str], out: str, checkpoint: str | None, resume: bool
         raise InputError("--checkpoint and --out name the same file")
 
 
-def save(cartridge: Any, out: Path) -> Path:
-    """Writes the cartridge to `out`; if that fails (a full disk, a directory removed meanwhile),
-    to a temporary file instead, so that the training is not lost: returns where it went."""
+def save(cartridges: Any, out: Path) -> Path:
+    """Writes the cartridge (or a list: the parts of one corpus, as one file) to `out`; if that
+    fails (a full disk, a directory removed meanwhile), to a temporary file instead, so that the
+    training is not lost: returns where it went."""
+    from ..cartridge import save_cartridges
+
+    cartridges = cartridges if isinstance(cartridges, list) else [cartridges]
+
+    def write(path: Path) -> None:
+        cartridges[0].export_pt(path) if path.suffix == ".pt" else save_cartridges(cartridges, path)
+
     try:
-        cartridge.export_pt(out) if out.suffix == ".pt" else cartridge.save(out)
+        write(out)
         return out
     except Exception as error:
         import tempfile
 
         fallback = Path(tempfile.gettempdir()) / f"cartridge-{os.getpid()}-{out.stem}{out.suffix or '.safetensors'}"
         print(f"error: cannot write {out} ({error}); writing {fallback} instead", file=sys.stderr)
-        cartridge.export_pt(fallback) if out.suffix == ".pt" else cartridge.save(fallback)
+        write(fallback)
         return fallback
 
 
@@ -177,43 +189,43 @@ def run(args: argparse.Namespace) -> int:
     return 0 if out == Path(args.out) else 1
 
 
-def part_path(out: Path, part: int, count: int) -> Path:
-    """Where part `part` of `count` goes: CART.partJofK.safetensors for CART.safetensors (CART
-    itself when there is one part)."""
-    return out if count == 1 else out.with_name(f"{out.stem}.part{part}of{count}{out.suffix}")
-
-
 def _train_parts(model: Any, texts: list[str], config: Any, args: argparse.Namespace) -> int:
     from ..parts import train_parts
     from ..training import CheckpointMismatch
 
-    written: list[Path] = []
-
-    def save_part(part: int, count: int, cartridge: Any) -> None:  # as soon as trained: a later failure keeps it
-        wanted = part_path(Path(args.out), part, count)
-        written.append(save(cartridge, wanted))
-        describe_trained(cartridge, written[-1])
+    def trained(part: int, count: int, cartridge: Any) -> None:
+        if count > 1:
+            print(f"part {part} of {count}: {_trained_summary(cartridge)}", file=sys.stderr)
 
     try:
         cartridges = train_parts(model, texts, config, args.part_tokens, progress=not args.no_progress,
-                                 checkpoint=args.checkpoint, resume=args.resume, on_trained=save_part)
+                                 checkpoint=args.checkpoint, resume=args.resume, on_trained=trained)
     except CheckpointMismatch as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if len(cartridges) > 1:
-        print(f"{len(cartridges)} parts; chat with all of them (composed by mixture):\n  cartridges chat --cartridge "
-              + " ".join(shlex.quote(str(path)) for path in written), file=sys.stderr)
-    wanted = [part_path(Path(args.out), j, len(cartridges)) for j in range(1, len(cartridges) + 1)]
-    return 0 if written == wanted else 1
+    out = save(cartridges, Path(args.out))
+    if len(cartridges) == 1:
+        describe_trained(cartridges[0], out)
+    else:
+        size = sum(c.nbytes for c in cartridges) / 2**20
+        print(f"wrote {out}: {len(cartridges)} parts of {', '.join(str(c.num_tokens) for c in cartridges)} tokens, "
+              f"{size:.1f} MiB; chat with it (its parts composed by mixture):\n  cartridges chat --cartridge "
+              f"{shlex.quote(str(out))}", file=sys.stderr)
+    return 0 if out == Path(args.out) else 1
+
+
+def _trained_summary(cartridge: Any) -> str:
+    stats = cartridge.stats
+    return (f"{cartridge.num_tokens} tokens, {cartridge.nbytes / 2**20:.1f} MiB; "
+            f"{stats['num_conversations']} conversations, {stats['steps']} steps, final loss "
+            f"{stats['losses'][-1] if stats['losses'] else float('nan'):.4f}; initialization {stats['init_s']:.0f} s, "
+            f"synthesis {stats['synthesis_s']:.0f} s, training {stats['training_s']:.0f} s")
 
 
 def describe_trained(cartridge: Any, out: Path) -> None:
     """What was written and how the training went, on stderr."""
     stats = cartridge.stats
-    print(f"wrote {out}: {cartridge.num_tokens} tokens, {cartridge.nbytes / 2**20:.1f} MiB; "
-          f"{stats['num_conversations']} conversations, {stats['steps']} steps, final loss "
-          f"{stats['losses'][-1] if stats['losses'] else float('nan'):.4f}; initialization {stats['init_s']:.0f} s, "
-          f"synthesis {stats['synthesis_s']:.0f} s, training {stats['training_s']:.0f} s", file=sys.stderr)
+    print(f"wrote {out}: {_trained_summary(cartridge)}", file=sys.stderr)
     if stats.get("signal_by_part"):
         print("training signal by tenth of the corpus: "
               + " ".join(f"{share:.0%}" for share in stats["signal_by_part"]), file=sys.stderr)
