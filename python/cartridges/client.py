@@ -73,11 +73,15 @@ class Datablocks:
         self._client = client
 
     def train(self, training_files: list[str] | str, *, name: str | None = None, model: str | None = None,
-              config: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Queues training on the given processed files; returns the datablock (`queued`)."""
+              config: dict[str, Any] | None = None, parts: bool = False,
+              part_tokens: int | None = None) -> dict[str, Any]:
+        """Queues training on the given processed files; returns the datablock (`queued`). With
+        `parts`, a corpus far beyond the context is trained as a cartridge per part of at most
+        `part_tokens` tokens, served together by mixture."""
         files = [training_files] if isinstance(training_files, str) else list(training_files)
         body: dict[str, Any] = {"training_files": files}
-        for key, value in (("name", name), ("model", model), ("config", config)):
+        for key, value in (("name", name), ("model", model), ("config", config), ("parts", parts or None),
+                           ("part_tokens", part_tokens)):
             if value is not None:
                 body[key] = value
         return self._client.request("POST", "/datablocks/train", json=body)
@@ -158,10 +162,11 @@ class _StageBar:
         from tqdm.auto import tqdm
 
         p = block["progress"]
-        if p["stage"] != self.stage:
+        stage = p["stage"] if p.get("part") is None else f"part {p['part']} of {p['parts']}, {p['stage']}"
+        if stage != self.stage:
             self.close()
-            self.stage = p["stage"]
-            self.bar = tqdm(total=p["total"] or None, desc=p["stage"], disable=None)
+            self.stage = stage
+            self.bar = tqdm(total=p["total"] or None, desc=stage, disable=None)
         self.bar.total = p["total"] or None
         self.bar.n = p["completed"]
         postfix = {}

@@ -97,6 +97,47 @@ def test_a_compact_job_trains_nothing_and_succeeds(store, tiny_model_dir: Path, 
     assert json.loads(record.progress)["stage"] == "done"
 
 
+def test_a_job_in_parts_goes_through_the_stages_once_per_part(store, tiny_model_dir: Path, monkeypatch) -> None:
+    from cartridges.cartridge import load_cartridges
+    from cartridges.jobs.progress import JobProgress
+
+    written = []
+    progress = JobProgress.progress
+
+    def recorded(self):
+        written.append(progress(self))
+        return written[-1]
+
+    monkeypatch.setattr(JobProgress, "progress", recorded)
+    owner = core().Owner(store.create_user("alice").id, False)
+    writer = store.begin_blob()
+    writer.write(("# Quelmor\n\n" + "\n\n".join(f"## {n}.\n\n{DOCUMENT}" for n in range(1, 4))).encode())
+    file_id = store.create_file(owner, writer, "doc.md", "cartridge-training").id
+    store.set_file_processed(owner, file_id, None)
+    config = TrainConfig.model_validate({**TINY_TRAIN_CONFIG, "objective": "next_token"}).to_dict()
+    block = store.create_datablock(owner, project="default", model="tiny", model_path=str(tiny_model_dir),
+                                   training_files=[file_id], config=json.dumps(config | {"parts": True,
+                                                                                         "part_tokens": 300}),
+                                   num_tokens=0)
+    run_job(block.run_id, store.data_dir)
+    record = store.get_datablock(owner, block.run_id)
+    assert record.status == "succeeded", (record.error_code, record.error_message)
+    parts = load_cartridges(store.datablock_cartridge_path(owner, block.run_id))
+    count = len(parts)
+    assert count >= 2 and record.num_tokens == 8 * count
+    stored = json.loads(record.config)
+    assert stored["parts"] is True and stored["part_tokens"] == 300 and stored["objective"] == "next_token"
+    # Each part trains in turn, its stage counted from 0 (so that its time left is its own), then one saving.
+    training = [w for w in written if w["stage"] == "training"]
+    assert [w["part"] for w in training] == sorted(w["part"] for w in training)
+    assert {w["part"] for w in training} == set(range(1, count + 1)) and {w["parts"] for w in training} == {count}
+    firsts = [next(w for w in training if w["part"] == j) for j in range(1, count + 1)]
+    assert all(w["completed"] == 0 and w["eta_seconds"] is None for w in firsts)
+    done = json.loads(record.progress)
+    assert done["stage"] == "done" and done["completed"] == done["total"] > 0 and "part" not in done
+    assert [p["num_tokens"] for p in json.loads(record.metrics)["parts"]] == [8] * count
+
+
 def test_several_training_files_are_read_in_order_under_their_names(store) -> None:
     owner = core().Owner(store.create_user("alice").id, False)
     ids = []

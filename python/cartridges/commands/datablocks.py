@@ -23,6 +23,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--name", help="project name (default: default)")
     train.add_argument("--model", help="base model id (default: the server's)")
     train.add_argument("--config", metavar="JSON", help='training config overrides, e.g. \'{"num_samples": 64}\'')
+    train.add_argument("--parts", action="store_true", help="for a corpus far beyond the context: a cartridge per "
+                       "part of at most --part-tokens, served together by mixture")
+    train.add_argument("--part-tokens", type=int, metavar="N", help="with --parts, the most tokens of a part "
+                       "(default: two of the model's contexts)")
     train.add_argument("--wait", action="store_true", help="wait for the end, with a progress bar")
     listing = actions.add_parser("list", help="list datablocks")
     listing.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
@@ -52,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
         blocks = client.datablocks
         try:
             if args.action == "train":
-                block = blocks.train(args.files, name=args.name, model=args.model, config=config)
+                block = blocks.train(args.files, name=args.name, model=args.model, config=config, parts=args.parts,
+                                     part_tokens=args.part_tokens)
                 if args.wait:
                     print(f"queued {block['id']}; waiting (Ctrl-C stops waiting, not the job)", file=sys.stderr)
                     block = blocks.wait(block["id"])

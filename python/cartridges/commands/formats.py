@@ -51,7 +51,7 @@ def export_format(out: str, requested: str | None) -> str:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from ..cartridge import CartridgeFileError, UnexportableError, load_cartridge
+    from ..cartridge import CartridgeFileError, PartsFileError, UnexportableError, load_cartridge
 
     base_model = args.base_model
     try:
@@ -60,6 +60,10 @@ def run_export(args: argparse.Namespace) -> int:
         else:
             cartridge, model_id = _stored_cartridge(args)
             base_model = base_model or model_id
+    except PartsFileError:
+        print(f"error: {args.source} was trained in parts, which only the cartridge file holds; the export formats "
+              "hold one cartridge", file=sys.stderr)
+        return 1
     except (CartridgeFileError, LookupError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -116,7 +120,7 @@ def _stored_cartridge(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from ..cartridge import CartridgeFileError, load_cartridge
+    from ..cartridge import CartridgeFileError, PartsFileError, load_cartridge
     from ..models.default import base_model_id
     from ..server.settings import Settings
     from ..store import core, open_store
@@ -135,6 +139,10 @@ def run_import(args: argparse.Namespace) -> int:
         return 1
     try:
         cartridge = load_cartridge(args.source, model)
+    except PartsFileError:
+        print(f"error: {args.source} was trained in parts; importing such a file is not supported: train it on the "
+              "server with `parts`", file=sys.stderr)
+        return 1
     except CartridgeFileError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -17,7 +17,8 @@ MIN_WRITE_INTERVAL_S = 1.0
 
 
 def empty_metrics() -> dict[str, Any]:
-    return {"loss": None, "synthetic_samples": None, "train_tokens": None, "quality": None, "signal_by_part": None}
+    return {"loss": None, "synthetic_samples": None, "train_tokens": None, "quality": None, "signal_by_part": None,
+            "parts": None}
 
 
 class JobProgress:
@@ -34,6 +35,8 @@ class JobProgress:
         self.stage = "queued"
         self.completed = 0
         self.total = 0
+        self.part: tuple[int, int] | None = None  # (part, parts) for a datablock trained in parts
+        self._part_changed = False
         self.metrics = empty_metrics()
         self._stage_start: tuple[float, int] = (time.monotonic(), 0)
         self._last_write = 0.0
@@ -49,9 +52,15 @@ class JobProgress:
         if self._heartbeat.is_alive():
             self._heartbeat.join()
 
+    def set_part(self, part: int, parts: int) -> None:
+        """The stages that follow are part `part` of `parts`'s (each part goes through them)."""
+        with self._lock:
+            self.part, self._part_changed = (part, parts), True
+
     def update(self, stage: str, completed: int, total: int, **metrics: Any) -> None:
         with self._lock:
-            changed = stage != self.stage
+            changed = stage != self.stage or self._part_changed
+            self._part_changed = False
             if changed:
                 self._stage_start = (time.monotonic(), completed)
             self.stage, self.completed, self.total = stage, completed, total
@@ -60,8 +69,9 @@ class JobProgress:
                 self._write_locked()
 
     def progress(self) -> dict[str, Any]:
+        part = {} if self.part is None else {"part": self.part[0], "parts": self.part[1]}
         return {"stage": self.stage, "completed": self.completed, "total": self.total,
-                "eta_seconds": self._eta()}
+                "eta_seconds": self._eta(), **part}
 
     def _eta(self) -> int | None:
         """Seconds left in this stage, at the rate since the stage started (or resumed)."""

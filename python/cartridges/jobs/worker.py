@@ -130,27 +130,35 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
 
     from ..selfstudy import Corpus
     from ..selfstudy.config import TrainConfig
-    from ..cartridge import native_model
+    from ..cartridge import native_model, parts_to_bytes
+    from ..parts import corpus_parts, default_part_tokens
     from ..training import TrainingCancelled, decided_config, train
 
     run_id = record.run_id
-    config = TrainConfig.from_dict(json.loads(record.config))
+    stored = json.loads(record.config)
+    config = TrainConfig.from_dict(stored)
     texts = _training_texts(store, owner, record, progress)
     if progress.stopped:
         return
     model = _load_model(record.model_path)
     if record.fingerprint and record.fingerprint != model.fingerprint:
         raise JobFailed("interrupted", "the server's base model changed since this job started; it cannot resume")
-    # The corpus is tokenized once, here. What the config leaves open (the cartridge's length,
-    # the number of conversations, the dtype trained in) is decided once, here, and the datablock
-    # shows it from now on.
-    corpus = Corpus.from_texts(model.tokenizer, texts)
-    config = decided_config(config, len(corpus), native_model(model))
+    # The corpus is tokenized once, here (trained in parts: each part). What the config leaves
+    # open (the cartridge's length, the number of conversations, the dtype trained in) is
+    # decided once, here, for each part, and the datablock shows it from now on.
+    parts = {}
+    pieces: list[list[str]] = [texts]
+    if stored.get("parts"):
+        parts = {"parts": True, "part_tokens": stored.get("part_tokens") or default_part_tokens(model)}
+        pieces = [[text] for text in corpus_parts(model.tokenizer, texts, parts["part_tokens"])]
+    corpora = [Corpus.from_texts(model.tokenizer, piece) for piece in pieces]
+    configs = [decided_config(config, len(corpus), native_model(model)) for corpus in corpora]
+    shown = (configs[0] if len(configs) == 1 else config).to_dict() | parts
     from ..store import core
     from .progress import LEASE_S
 
     try:
-        store.start_datablock(owner, run_id, model.fingerprint, json.dumps(config.to_dict()), config.num_tokens,
+        store.start_datablock(owner, run_id, model.fingerprint, json.dumps(shown), sum(c.num_tokens for c in configs),
                               claimant=claimant_id(store.data_dir), lease_s=int(LEASE_S))
     except core().ConflictError:
         if store.get_datablock(owner, run_id).status == "running":
@@ -161,6 +169,46 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
         _restore_checkpoints(sync)
         sync.start()
     scratch = Path(store.job_dir(owner, run_id))
+    cartridges = []
+    for j, (corpus, part_config) in enumerate(zip(corpora, configs), 1):
+        if len(corpora) > 1:
+            progress.set_part(j, len(corpora))
+        checkpoint = scratch / ("train.ckpt" if len(corpora) == 1 else f"train.part{j}of{len(corpora)}.ckpt")
+        try:
+            cartridge = train(model, corpus, part_config, progress=False, checkpoint=checkpoint, resume=True,
+                              cancel=cancel, on_progress=_stage_reporter(progress, part_config))
+        except TrainingCancelled:
+            return
+        if progress.stopped or cartridge.stats["cancelled"]:
+            return
+        cartridge.config = part_config.to_dict()  # the config used, not our checkpoint cadence
+        cartridges.append(cartridge)
+    steps = sum(c.stats["steps"] for c in cartridges)
+    if len(cartridges) == 1:
+        stats = cartridges[0].stats
+        progress.update("saving", steps, steps, synthetic_samples=stats["num_conversations"],
+                        train_tokens=stats["num_target_tokens"], loss=stats["losses"][-1] if stats["losses"] else None,
+                        quality=stats["quality"], signal_by_part=stats["signal_by_part"])
+    else:
+        progress.update("saving", steps, steps, synthetic_samples=sum(c.stats["num_conversations"] for c in cartridges),
+                        train_tokens=sum(c.stats["num_target_tokens"] for c in cartridges),
+                        parts=[_part_metrics(c, corpus) for c, corpus in zip(cartridges, corpora)])
+        progress.metrics["loss"] = None  # the last part's: each part's is in `parts`
+    blob = store.begin_blob()
+    blob.write(cartridges[0].to_bytes() if len(cartridges) == 1 else parts_to_bytes(cartridges))
+    final = {"stage": "done", "completed": steps, "total": steps, "eta_seconds": 0}
+    progress.close()  # no heartbeat after this: the last write is the status change
+    store.succeed_datablock(owner, run_id, blob, json.dumps(final), json.dumps(progress.metrics))
+
+
+def _stage_reporter(progress: Any, config: Any) -> Any:
+    """train()'s on_progress for one cartridge (or part): its stages as the job's progress."""
+    distill = config.objective == "distill"
+    to_synthesize = config.num_samples + (config.quality_samples or 0) if distill else config.num_samples
+    first_stage = "synthesizing" if distill else "training"
+    if config.objective == "compact" or config.init == "compact":  # the corpus' windows, before anything else
+        first_stage, to_synthesize = "compacting", 0
+    progress.update(first_stage, 0, to_synthesize)
 
     def on_progress(stage: str, done: int, total: int, loss: float | None) -> bool:
         if stage == "compaction":
@@ -173,29 +221,14 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
             progress.update("training", done, total, loss=loss)
         return not progress.stopped
 
-    distill = config.objective == "distill"
-    to_synthesize = config.num_samples + (config.quality_samples or 0) if distill else config.num_samples
-    first_stage = "synthesizing" if distill else "training"
-    if config.objective == "compact" or config.init == "compact":  # the corpus' windows, before anything else
-        first_stage, to_synthesize = "compacting", 0
-    progress.update(first_stage, 0, to_synthesize)
-    try:
-        cartridge = train(model, corpus, config, progress=False, checkpoint=scratch / "train.ckpt",
-                          resume=True, cancel=cancel, on_progress=on_progress)
-    except TrainingCancelled:
-        return
-    if progress.stopped or cartridge.stats["cancelled"]:
-        return
-    cartridge.config = config.to_dict()  # the config used, not our checkpoint cadence
+    return on_progress
+
+
+def _part_metrics(cartridge: Any, corpus: Any) -> dict[str, Any]:
     stats = cartridge.stats
-    progress.update("saving", stats["steps"], stats["steps"], synthetic_samples=stats["num_conversations"],
-                    train_tokens=stats["num_target_tokens"],
-                    loss=stats["losses"][-1] if stats["losses"] else None, quality=stats["quality"], signal_by_part=stats["signal_by_part"])
-    blob = store.begin_blob()
-    blob.write(cartridge.to_bytes())
-    final = {"stage": "done", "completed": stats["steps"], "total": stats["steps"], "eta_seconds": 0}
-    progress.close()  # no heartbeat after this: the last write is the status change
-    store.succeed_datablock(owner, run_id, blob, json.dumps(final), json.dumps(progress.metrics))
+    return {"corpus_tokens": len(corpus), "num_tokens": cartridge.num_tokens,
+            "num_samples": cartridge.config["num_samples"], "loss": stats["losses"][-1] if stats["losses"] else None,
+            "quality": stats["quality"], "signal_by_part": stats["signal_by_part"]}
 
 
 def _training_texts(store: Any, owner: Any, record: Any, progress: Any) -> list[str]:

@@ -90,7 +90,8 @@ class ChatCompletionRequest(BaseModel):
         "how well each explains the conversation so far, from the first message after the system prompt (each "
         "document's questions keep their single-cartridge quality; costs one sequence per cartridge). "
         "`concatenate`: their KV one after another in front of one sequence, in order (cheaper, but trained "
-        "cartridges pull every question to themselves).")
+        "cartridges pull every question to themselves). A cartridge trained in parts counts as its parts, and is "
+        "composed by mixture only.")
     retrieval: StrictBool | RetrievalOptions | None = Field(
         default=None, description="Extension: `true` (or `{top_k}`, default 4) also puts in the prompt the passages "
         "of the cartridges' own training files that best match the last user message (BM25 over chunks of about "

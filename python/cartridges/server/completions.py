@@ -64,12 +64,15 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
             if body.retrieval and options.passages_only:  # their files are searched, their KV never loaded
                 records.append(serving.record(user, identifier, param=param))
                 continue
-            record, prefix = serving.cartridge(user, identifier, param=param)
+            record, parts = serving.cartridge(user, identifier, param=param)
         except CartridgeUnavailable as unavailable:
             raise unavailable.error from None
+        if len(parts) > 1 and body.composition == "concatenate":
+            raise APIError(400, f"Cartridge '{identifier}' was trained in parts, which are composed by mixture: "
+                           "leave out `composition` (or give \"mixture\").", code="invalid_value", param="composition")
         records.append(record)
-        prefixes.append(prefix)
-        cartridge_tokens += prefix.num_tokens
+        prefixes += parts
+        cartridge_tokens += sum(prefix.num_tokens for prefix in parts)
 
     files_deadline = time.monotonic() + FILE_WAIT_S
     messages = [{"role": "system" if m.role == "developer" else m.role,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cartridges.parts import MIN_PART_TOKENS
 from cartridges.selfstudy.config import TrainConfig
 
 DatablockStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
@@ -29,6 +30,21 @@ class TrainRequest(BaseModel):
         description="The training config: any of its fields, the others keep their defaults (docs/configuration.md). "
         "Unknown fields, wrong types and values out of range are refused.",
     )
+    parts: bool = Field(
+        default=False,
+        description="For a corpus far beyond the model's context: cut it at headings (or paragraphs) into parts of at "
+        "most `part_tokens`, train a cartridge per part with `config`, and keep them as one cartridge whose parts a "
+        "chat composes by mixture. A corpus within one part gets one cartridge, as without `parts`.")
+    part_tokens: int | None = Field(
+        default=None, ge=MIN_PART_TOKENS,
+        description="With `parts`, the most tokens of a part; default: two of the model's contexts (16,384 tokens "
+        "for the default model).")
+
+    @model_validator(mode="after")
+    def _part_tokens_need_parts(self) -> TrainRequest:
+        if self.part_tokens is not None and not self.parts:
+            raise ValueError("`part_tokens` needs `parts: true`")
+        return self
 
 
 class Progress(BaseModel):
@@ -36,6 +52,20 @@ class Progress(BaseModel):
     completed: int
     total: int
     eta_seconds: int | None = Field(default=None, description="Estimated seconds left in this stage.")
+    part: int | None = Field(default=None, description="For a datablock trained in parts: the part the stage is "
+                             "about (1 to `parts`); each part goes through the stages in turn.")
+    parts: int | None = Field(default=None, description="For a datablock trained in parts: how many parts, once "
+                              "the corpus is cut.")
+
+
+class PartMetrics(BaseModel):
+    corpus_tokens: int = Field(description="The part's tokens, the corpus' opening included.")
+    num_tokens: int = Field(description="Its cartridge's length in tokens.")
+    num_samples: int = Field(description="The training conversations decided for the part.")
+    loss: float | None = None
+    quality: dict[str, Any] | None = None
+    signal_by_part: list[float] | None = Field(default=None, description="As `metrics.signal_by_part`, over the "
+                                               "part's tenths.")
 
 
 class Metrics(BaseModel):
@@ -46,6 +76,9 @@ class Metrics(BaseModel):
     signal_by_part: list[float] | None = Field(
         default=None, description="Where the training signal came from: the share of the training conversations' "
         "answer tokens drawn from each tenth of the corpus, in order (0.1 each when even). Set when training ends.")
+    parts: list[PartMetrics] | None = Field(
+        default=None, description="For a datablock trained in parts, once trained: each part's figures, in order "
+        "(`loss`, `quality` and `signal_by_part` above are then null).")
 
 
 class DatablockError(BaseModel):
@@ -72,10 +105,14 @@ class DatablockObject(BaseModel):
                             "heartbeat every 2 s, so an old one on a `running` datablock means its worker is stuck.")
     progress: Progress
     metrics: Metrics
-    num_tokens: int | None = Field(description="Cartridge length in tokens; null while queued when the config "
-                                   "leaves it to the corpus (an eighth of it).")
+    num_tokens: int | None = Field(description="Cartridge length in tokens (trained in parts: the parts' sum; a "
+                                   "chat's context holds only the longest part); null while queued when the config "
+                                   "leaves it to the corpus.")
     bytes: int | None = Field(description="Size of the stored cartridge once trained.")
     error: DatablockError | None
+    parts: bool = Field(default=False, description="Trained in parts (the request's `parts`).")
+    part_tokens: int | None = Field(default=None, description="With `parts`, the most tokens of a part (the "
+                                    "request's, or the default once the job has started).")
     imported_from: str | None = Field(
         default=None, description="Set for a cartridge made elsewhere and added with `cartridges import` (a PEFT "
         "adapter, a research .pt): the name it was imported from. Such a datablock was not trained here; its "
@@ -105,6 +142,8 @@ class DatablockObject(BaseModel):
             num_tokens=record.num_tokens or None,
             bytes=record.bytes,
             error=error,
+            parts=bool(config.get("parts")),
+            part_tokens=config.get("part_tokens"),
             imported_from=config.get("imported_from"),
         )
 

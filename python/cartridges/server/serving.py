@@ -9,6 +9,7 @@ caller reaches only its own cartridges and a deleted one is never served.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -129,20 +130,22 @@ class Serving:
 
     # -- cartridges ------------------------------------------------------------------------
 
-    def cartridge(self, principal: Principal, identifier: str, *, param: str) -> tuple[Any, Any]:
-        """The caller's cartridge (full or bare run id): its datablock record and its KV prefix,
-        loaded if needed. Blocking: call from a worker thread. Raises CartridgeUnavailable."""
+    def cartridge(self, principal: Principal, identifier: str, *, param: str) -> tuple[Any, list[Any]]:
+        """The caller's cartridge (full or bare run id): its datablock record and its KV prefixes
+        (one, or one per part for a cartridge trained in parts), loaded if needed. Blocking: call
+        from a worker thread. Raises CartridgeUnavailable."""
         model, engine = self.require_ready()
         record = self._record(principal, identifier, param)
-        prefix = engine.cartridges.get(record.id)
-        if prefix is None:
+        keys = cache_keys(record)
+        prefixes = [engine.cartridges.get(key) for key in keys]
+        if any(prefix is None for prefix in prefixes):
             with self._lock:
                 loading = self._loading.setdefault(record.id, threading.Lock())
             with loading:  # a second caller waits for the first load instead of repeating it
-                prefix = engine.cartridges.get(record.id)
-                if prefix is None:
-                    prefix = self._load(principal, record, model, engine, param)
-        return record, prefix
+                prefixes = [engine.cartridges.get(key) for key in keys]
+                if any(prefix is None for prefix in prefixes):
+                    prefixes = self._load(principal, record, model, engine, param)
+        return record, prefixes
 
     def record(self, principal: Principal, identifier: str, *, param: str) -> Any:
         """The caller's trained cartridge's datablock record, its KV not loaded. Raises
@@ -167,13 +170,16 @@ class Serving:
                 f"'{self.model_id}'.", code="model_mismatch", param=param))
         return record
 
-    def _load(self, principal: Principal, record: Any, model: Any, engine: Any, param: str) -> Any:
-        from cartridges.cartridge import Cartridge, CartridgeFileError
+    def _load(self, principal: Principal, record: Any, model: Any, engine: Any, param: str) -> list[Any]:
+        from cartridges.cartridge import CartridgeFileError, load_cartridges
 
         c = core()
         try:
             path = self.store.datablock_cartridge_path(principal.owner, record.id)
-            prefix = Cartridge.load(path, model).prefix(model)
+            prefixes = [cartridge.prefix(model) for cartridge in load_cartridges(path, model)]
+            if len(prefixes) != len(cache_keys(record)):
+                raise CartridgeFileError(path, f"it holds {len(prefixes)} parts, its datablock "
+                                         f"{len(cache_keys(record))}")
         except c.NotFoundError:  # deleted meanwhile
             raise CartridgeUnavailable(APIError(404, f"No cartridge '{record.id}'.", code="model_not_found",
                                                 param=param)) from None
@@ -184,11 +190,13 @@ class Serving:
             reason = error.reason if isinstance(error, CartridgeFileError) else "its file is damaged"
             raise CartridgeUnavailable(APIError(500, f"Cartridge '{record.id}' could not be read: {reason}.",
                                                 code="cartridge_unreadable", param=param)) from None
-        size = prefix.nbytes
+        size = sum(prefix.nbytes for prefix in prefixes)
         budget = self.budget_bytes
         try:
-            engine.cartridges.put(record.id, prefix)
+            for key, prefix in zip(cache_keys(record), prefixes):
+                engine.cartridges.put(key, prefix)
         except c.CacheFullError:
+            self._uncache(record.id)
             if size > budget:
                 raise CartridgeUnavailable(APIError(
                     400, f"Cartridge '{record.id}' ({size / MiB:.1f} MiB) is larger than the server's cartridge "
@@ -205,13 +213,20 @@ class Serving:
             self.unload(record.id)
             raise CartridgeUnavailable(APIError(404, f"No cartridge '{record.id}'.", code="model_not_found",
                                                 param=param)) from None
-        log.info("cartridge %s loaded (%d tokens, %.1f MiB)", record.id, record.num_tokens, size / MiB)
-        return prefix
+        log.info("cartridge %s loaded (%d tokens%s, %.1f MiB)", record.id, record.num_tokens,
+                 f" in {len(prefixes)} parts" if len(prefixes) > 1 else "", size / MiB)
+        return prefixes
+
+    def _uncache(self, cartridge_id: str) -> None:
+        """Drops the cartridge's KV, every part of it, from the engine's cache."""
+        for key in self.engine.cartridges.ids():
+            if cached_cartridge_id(key) == cartridge_id:
+                self.engine.cartridges.remove(key)
 
     def unload(self, cartridge_id: str) -> None:
         """Drops it from memory (requests running on it finish first)."""
         if self.engine is not None:
-            self.engine.cartridges.remove(cartridge_id)
+            self._uncache(cartridge_id)
         with self._lock:
             self._loaded.pop(cartridge_id, None)
             self._loading.pop(cartridge_id, None)
@@ -221,9 +236,25 @@ class Serving:
         recently used first."""
         if self.engine is None or principal is None:
             return []
-        ids = self.engine.cartridges.ids()
+        ids = list(dict.fromkeys(cached_cartridge_id(key) for key in self.engine.cartridges.ids()))
         with self._lock:
             for gone in set(self._loaded) - set(ids):  # evicted by the cache
                 del self._loaded[gone]
             entries = [self._loaded[i] for i in ids if i in self._loaded]
         return [e for e in entries if principal.admin or e.owner_id == principal.user_id]
+
+
+PART_KEY = "#part"  # the engine cache's key of part j of k of a cartridge: "<id>#partJofK"
+
+
+def cache_keys(record: Any) -> list[str]:
+    """The engine cache's keys of a datablock's KV: its id, or one key per part."""
+    parts = (json.loads(record.metrics or "{}") or {}).get("parts") or []
+    if len(parts) < 2:
+        return [record.id]
+    return [f"{record.id}{PART_KEY}{j}of{len(parts)}" for j in range(1, len(parts) + 1)]
+
+
+def cached_cartridge_id(key: str) -> str:
+    """The datablock id of an engine cache key."""
+    return key.split(PART_KEY, 1)[0]

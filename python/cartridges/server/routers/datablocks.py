@@ -62,10 +62,12 @@ async def train_datablock(
         if record.status == "error":
             raise APIError(400, f"File '{file_id}' could not be processed: {record.status_details}",
                            code="file_not_processed", param="training_files")
-    # num_tokens 0: left to the corpus, decided by the job once it has read the files.
+    # num_tokens 0: left to the corpus, decided by the job once it has read the files (with
+    # parts: their sum, once the corpus is cut). The parts' settings travel in the stored config.
+    stored = config.to_dict() | ({"parts": True, "part_tokens": body.part_tokens} if body.parts else {})
     record = await run_in_threadpool(
         store.create_datablock, user.owner, project=body.name, model=model, model_path=_model_path(settings.model),
-        training_files=file_ids, config=json.dumps(config.to_dict()), num_tokens=config.num_tokens or 0,
+        training_files=file_ids, config=json.dumps(stored), num_tokens=0 if body.parts else config.num_tokens or 0,
     )
     supervisor.wake()
     return DatablockObject.of(record)
@@ -130,7 +132,7 @@ def datablock_content(
         "`.pt`.")] = "safetensors",
 ) -> FileResponse:
     """The trained cartridge of the caller's datablock, in the format asked for (docs/formats.md)."""
-    from cartridges.cartridge import Cartridge, CartridgeFileError, UnexportableError
+    from cartridges.cartridge import Cartridge, CartridgeFileError, PartsFileError, UnexportableError
 
     record = store.get_datablock(user.owner, datablock_id)
     if record.status != "succeeded":
@@ -144,6 +146,10 @@ def datablock_content(
     path = store.datablock_cartridge_path(user.owner, record.id)
     try:
         cartridge = Cartridge.load(path)
+    except PartsFileError:
+        raise APIError(400, f"Datablock '{record.id}' was trained in parts, which only this package's cartridge file "
+                       f"holds (format=safetensors); {format} holds one cartridge.", param="format",
+                       code="format_unavailable") from None
     except CartridgeFileError as error:
         raise APIError(500, f"The cartridge of '{record.id}' could not be read: {error.reason}.",
                        code="cartridge_unreadable") from None

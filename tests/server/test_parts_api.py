@@ -1,0 +1,159 @@
+"""A datablock trained in parts (docs/api.md §2 `parts`) on a live server with a tiny model: one
+datablock whose cartridge holds a cartridge per part of the corpus, each part's figures in its
+metrics, chat answered by the mixture of its parts (exactly the library's), concatenation and
+single-cartridge export formats refused, listed and unloaded as one cartridge."""
+
+from __future__ import annotations
+
+import io
+
+import httpx
+import openai
+import pytest
+
+import cartridges
+from cartridges import Client
+from cartridges.cartridge import load_cartridges
+from cartridges.parts import corpus_parts
+from cartridges.store import core, open_store
+
+from .conftest import LiveServer, upload_text
+from .tiny_hf_model import DOCUMENT, TINY_TRAIN_CONFIG
+
+pytestmark = pytest.mark.slow
+
+PART_TOKENS = 400
+MESSAGES = [{"role": "user", "content": "Who rings the bell?"}]
+SECTIONS = ["Bells", "Harbor", "Ships", "Weddings"]
+CORPUS = "# Quelmor\n\nThe village and its bells.\n\n" + "\n\n".join(
+    f"## {n}. {title}\n\n{DOCUMENT.strip()}" for n, title in enumerate(SECTIONS, 1))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> cartridges.Model:
+    return cartridges.load_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def trained(chat_server: LiveServer) -> dict:
+    """A user and a datablock trained in parts on CORPUS."""
+    key = chat_server.add_user()
+    with Client(chat_server.url, key) as client:
+        block = client.datablocks.train([upload_text(chat_server.openai(key), CORPUS, name="quelmor.md")],
+                                        name="parts", config=TINY_TRAIN_CONFIG, parts=True, part_tokens=PART_TOKENS)
+        assert block["parts"] is True and block["part_tokens"] == PART_TOKENS and block["num_tokens"] is None
+        done = client.datablocks.wait(block["id"], timeout=180, poll_interval=0.2, progress=False)
+    assert done["status"] == "succeeded", done
+    return {"key": key, "block": done}
+
+
+def stored_parts(server: LiveServer, datablock_id: str) -> list[cartridges.Cartridge]:
+    store = open_store(server.data_dir)
+    try:
+        return load_cartridges(store.datablock_cartridge_path(core().Owner(0, True), datablock_id))
+    finally:
+        store.close()
+
+
+def test_a_datablock_trained_in_parts_holds_a_cartridge_per_part(chat_server: LiveServer, model, trained) -> None:
+    block = trained["block"]
+    expected = corpus_parts(model.tokenizer, CORPUS, PART_TOKENS)
+    assert len(expected) >= 2  # the corpus is several parts of the tiny model's tokens
+    parts = stored_parts(chat_server, block["id"])
+    assert len(parts) == len(expected) and all(p.num_tokens == TINY_TRAIN_CONFIG["num_tokens"] for p in parts)
+    assert block["num_tokens"] == sum(p.num_tokens for p in parts)  # the KV held
+    figures = block["metrics"]["parts"]
+    assert [f["corpus_tokens"] for f in figures] == [len(model.tokenizer.encode(text)) for text in expected]
+    assert all(f["num_tokens"] == TINY_TRAIN_CONFIG["num_tokens"] and f["num_samples"] == TINY_TRAIN_CONFIG["num_samples"]
+               and f["quality"]["held_out_conversations"] > 0 and len(f["signal_by_part"]) == 10 for f in figures)
+    assert [f["quality"] for f in figures] == [p.quality for p in parts]  # also in each part of the file
+    assert block["metrics"]["quality"] is None and block["metrics"]["loss"] is None
+    assert block["progress"]["stage"] == "done" and block["config"]["chunk_tokens"] == TINY_TRAIN_CONFIG["chunk_tokens"]
+
+
+def test_chat_composes_the_parts_by_mixture_exactly_as_the_library(chat_server: LiveServer, model, trained) -> None:
+    block = trained["block"]
+    client = chat_server.openai(trained["key"])
+    reply = client.chat.completions.create(model=block["id"], messages=MESSAGES, temperature=0, max_tokens=12,
+                                           logprobs=True)
+    parts = stored_parts(chat_server, block["id"])
+    assert reply.usage.prompt_tokens_details.cached_tokens == block["num_tokens"]
+    expected = model.generate([model.encode_chat(MESSAGES)], prefixes=[p.prefix(model) for p in parts],
+                              max_new_tokens=12, logprobs=1, weigh_from=[model.conversation_start(MESSAGES)])[0]
+    assert reply.choices[0].message.content == expected.text
+    assert [t.logprob for t in reply.choices[0].logprobs.content] == pytest.approx(
+        [t.logprob for t in expected.logprobs], abs=1e-4)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=block["id"], messages=MESSAGES, max_tokens=2,
+                                       extra_body={"composition": "concatenate"})
+    assert refused.value.body["param"] == "composition" and "trained in parts" in refused.value.body["message"]
+    # Listed, and unloaded, as one cartridge.
+    assert [m.id for m in client.models.list().data] == [block["id"]]
+    assert client.models.retrieve(block["id"]).model_extra["num_tokens"] == block["num_tokens"]
+
+
+def test_its_file_downloads_whole_and_single_cartridge_formats_are_refused(chat_server: LiveServer, trained,
+                                                                            tmp_path) -> None:
+    block = trained["block"]
+    http = chat_server.http(trained["key"])
+    content = http.get(f"/v1/datablocks/{block['id']}/content")
+    assert content.status_code == 200
+    (tmp_path / "parts.safetensors").write_bytes(content.content)
+    assert load_cartridges(tmp_path / "parts.safetensors") == stored_parts(chat_server, block["id"])
+    for fmt in ("peft", "pt"):
+        refused = http.get(f"/v1/datablocks/{block['id']}/content", params={"format": fmt})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "format_unavailable"
+        assert "trained in parts" in refused.json()["error"]["message"]
+
+
+def test_a_corpus_within_one_part_is_one_cartridge(chat_server: LiveServer, trained) -> None:
+    key = trained["key"]
+    with Client(chat_server.url, key) as client:
+        block = client.datablocks.train([upload_text(chat_server.openai(key), DOCUMENT)], name="short",
+                                        config=TINY_TRAIN_CONFIG, parts=True)
+        done = client.datablocks.wait(block["id"], timeout=180, poll_interval=0.2, progress=False)
+    assert done["status"] == "succeeded" and done["parts"] is True and done["part_tokens"] == 2048  # two contexts
+    assert done["metrics"]["parts"] is None and done["metrics"]["quality"] is not None
+    assert len(stored_parts(chat_server, done["id"])) == 1 and done["num_tokens"] == TINY_TRAIN_CONFIG["num_tokens"]
+    reply = chat_server.openai(key).chat.completions.create(model=done["id"], messages=MESSAGES, max_tokens=2,
+                                                             extra_body={"composition": "concatenate"})
+    assert reply.usage.prompt_tokens_details.cached_tokens == TINY_TRAIN_CONFIG["num_tokens"]
+
+
+def test_deleting_it_unloads_every_part(chat_server: LiveServer, trained) -> None:
+    key = trained["key"]
+    client = chat_server.openai(key)
+    with Client(chat_server.url, key) as blocks:
+        block = blocks.datablocks.train([upload_text(client, CORPUS)], name="gone", config=TINY_TRAIN_CONFIG,
+                                        parts=True, part_tokens=PART_TOKENS)
+        assert blocks.datablocks.wait(block["id"], timeout=180, poll_interval=0.2, progress=False)["status"] == "succeeded"
+        before = httpx.get(chat_server.url + "/v1/status").json()["cartridges"]["loaded"]
+        client.chat.completions.create(model=block["id"], messages=MESSAGES, max_tokens=2)
+        loaded = httpx.get(chat_server.url + "/v1/status").json()["cartridges"]["loaded"]
+        assert loaded - before == len(block_parts := stored_parts(chat_server, block["id"])) and len(block_parts) >= 2
+        blocks.datablocks.delete(block["id"])
+    assert httpx.get(chat_server.url + "/v1/status").json()["cartridges"]["loaded"] == before
+    assert block["id"] not in [m.id for m in client.models.list().data]
+
+
+def test_bad_parts_requests_are_refused(chat_server: LiveServer, trained) -> None:
+    http = chat_server.http(trained["key"])
+    file_id = trained["block"]["training_files"][0]
+    for body, says in (({"part_tokens": 500}, "needs `parts: true`"), ({"parts": True, "part_tokens": 8}, "64"),
+                       ({"parts": "yes please"}, "parts")):
+        refused = http.post("/v1/datablocks/train", json={"training_file": file_id, **body})
+        assert refused.status_code == 400 and says in refused.json()["error"]["message"], refused.json()
+
+
+def test_the_cli_waits_with_the_part_in_its_bar(chat_server: LiveServer, trained, monkeypatch, capsys) -> None:
+    from cartridges.cli import main
+
+    file_id = trained["block"]["training_files"][0]
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    code = main(["datablocks", "--base-url", chat_server.url, "--api-key", trained["key"], "train", file_id,
+                 "--name", "cli", "--config", '{"num_tokens": 8, "num_samples": 8, "chunk_tokens": 24, '
+                 '"teacher_tokens": 48, "synthesis_batch_size": 2, "max_question_tokens": 6, "max_answer_tokens": 6, '
+                 '"top_k": 4, "epochs": 1, "batch_size": 2}', "--parts", "--part-tokens", str(PART_TOKENS), "--wait"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert '"parts": true' in out and f'"part_tokens": {PART_TOKENS}' in out
