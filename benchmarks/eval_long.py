@@ -15,7 +15,7 @@ Conditions, scored on the same questions by the scorer of eval_cartridge.py (eva
   parts                a cartridge per part of the corpus (`cartridges.parts`: runs of whole
                        sections of about two contexts at most, each after the corpus' opening),
                        trained by the same config and composed by mixture, as `cartridges train
-                       --parts` makes them and a chat request that names them all is answered
+                       --parts` makes them and a chat request on their file is answered
 "recovered" = (condition - none) / (oracle - none) on log p(gold) per token: overall, per
 section and per question kind, next to the exact-answer rate (the gold in a greedy reply).
 A bar chart per document (one group of bars per section) goes to --plot-dir (docs/images for a

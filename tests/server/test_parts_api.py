@@ -139,10 +139,12 @@ def test_deleting_it_unloads_every_part(chat_server: LiveServer, trained) -> Non
 def test_bad_parts_requests_are_refused(chat_server: LiveServer, trained) -> None:
     http = chat_server.http(trained["key"])
     file_id = trained["block"]["training_files"][0]
-    for body, says in (({"part_tokens": 500}, "needs `parts: true`"), ({"parts": True, "part_tokens": 8}, "64"),
-                       ({"parts": "yes please"}, "parts")):
+    for body, says, param in (({"part_tokens": 500}, "needs `parts: true`", None),
+                              ({"parts": True, "part_tokens": 8}, "64", "part_tokens"),
+                              ({"parts": "yes please"}, "bool", "parts")):
         refused = http.post("/v1/datablocks/train", json={"training_file": file_id, **body})
-        assert refused.status_code == 400 and says in refused.json()["error"]["message"], refused.json()
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and says in error["message"] and error["param"] == param, error
 
 
 def test_the_cli_waits_with_the_part_in_its_bar(chat_server: LiveServer, trained, monkeypatch, capsys) -> None:
