@@ -97,6 +97,60 @@ def test_a_compact_job_trains_nothing_and_succeeds(store, tiny_model_dir: Path, 
     assert json.loads(record.progress)["stage"] == "done"
 
 
+def queue_parts_job(store, model_dir: Path, **fields: object) -> tuple[object, object]:
+    """A job of a new user alice in parts of at most 300 tokens (four of the tiny model's), on a processed file."""
+    owner = core().Owner(store.create_user("alice").id, False)
+    writer = store.begin_blob()
+    writer.write(("# Quelmor\n\n" + "\n\n".join(f"## {n}.\n\n{DOCUMENT}" for n in range(1, 4))).encode())
+    file_id = store.create_file(owner, writer, "doc.md", "cartridge-training").id
+    store.set_file_processed(owner, file_id, None)
+    config = TrainConfig.model_validate({**TINY_TRAIN_CONFIG, **fields}).to_dict()
+    block = store.create_datablock(owner, project="default", model="tiny", model_path=str(model_dir),
+                                   training_files=[file_id], num_tokens=0,
+                                   config=json.dumps(config | {"parts": True, "part_tokens": 300}))
+    return owner, block
+
+
+class Killed(BaseException):
+    """The worker process dying (no handler of the job's catches it)."""
+
+
+def test_a_job_in_parts_stopped_in_its_second_part_resumes_there(store, tiny_model_dir: Path, monkeypatch) -> None:
+    import cartridges.training
+    from cartridges.cartridge import load_cartridges
+
+    owner, block = queue_parts_job(store, tiny_model_dir)
+    train = cartridges.training.train
+    events: list[tuple[str, str]] = []
+
+    def watched(model, corpus, config, progress, *, checkpoint, on_progress, kill_in=None, **kw):
+        def seen(stage, done, total, loss):
+            events.append((Path(checkpoint).name, stage))
+            if kill_in is not None and kill_in in str(checkpoint) and stage == "training":
+                raise Killed
+            return on_progress(stage, done, total, loss)
+
+        return train(model, corpus, config, progress, checkpoint=checkpoint, on_progress=seen, **kw)
+
+    monkeypatch.setattr(cartridges.training, "train", lambda *a, **kw: watched(*a, kill_in="part2of", **kw))
+    with pytest.raises(Killed):
+        run_job(block.run_id, store.data_dir)
+    assert store.get_datablock(owner, block.run_id).status == "running"
+    first_run = list(events)
+    assert {name for name, _ in first_run} == {"train.part1of4.ckpt", "train.part2of4.ckpt"}
+    events.clear()
+    monkeypatch.setattr(cartridges.training, "train", lambda *a, **kw: watched(*a, **kw))
+    run_job(block.run_id, store.data_dir)  # as the supervisor restarts it
+    record = store.get_datablock(owner, block.run_id)
+    assert record.status == "succeeded", (record.error_code, record.error_message)
+    # Parts 1 and 2 kept their conversations: resumed, they synthesize nothing (part 2 trains);
+    # part 3 starts from nothing.
+    assert ("train.part1of4.ckpt", "synthesis") not in events and ("train.part2of4.ckpt", "synthesis") not in events
+    assert ("train.part2of4.ckpt", "training") in events and ("train.part3of4.ckpt", "synthesis") in events
+    assert ("train.part1of4.ckpt", "synthesis") in first_run
+    assert len(load_cartridges(store.datablock_cartridge_path(owner, block.run_id))) == 4
+
+
 def test_a_job_in_parts_goes_through_the_stages_once_per_part(store, tiny_model_dir: Path, monkeypatch) -> None:
     from cartridges.cartridge import load_cartridges
     from cartridges.jobs.progress import JobProgress
@@ -109,16 +163,7 @@ def test_a_job_in_parts_goes_through_the_stages_once_per_part(store, tiny_model_
         return written[-1]
 
     monkeypatch.setattr(JobProgress, "progress", recorded)
-    owner = core().Owner(store.create_user("alice").id, False)
-    writer = store.begin_blob()
-    writer.write(("# Quelmor\n\n" + "\n\n".join(f"## {n}.\n\n{DOCUMENT}" for n in range(1, 4))).encode())
-    file_id = store.create_file(owner, writer, "doc.md", "cartridge-training").id
-    store.set_file_processed(owner, file_id, None)
-    config = TrainConfig.model_validate({**TINY_TRAIN_CONFIG, "objective": "next_token"}).to_dict()
-    block = store.create_datablock(owner, project="default", model="tiny", model_path=str(tiny_model_dir),
-                                   training_files=[file_id], config=json.dumps(config | {"parts": True,
-                                                                                         "part_tokens": 300}),
-                                   num_tokens=0)
+    owner, block = queue_parts_job(store, tiny_model_dir, objective="next_token")
     run_job(block.run_id, store.data_dir)
     record = store.get_datablock(owner, block.run_id)
     assert record.status == "succeeded", (record.error_code, record.error_message)
