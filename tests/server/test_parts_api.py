@@ -106,6 +106,31 @@ def test_its_file_downloads_whole_and_single_cartridge_formats_are_refused(chat_
         assert "trained in parts" in refused.json()["error"]["message"]
 
 
+def test_its_file_imports_as_a_cartridge_in_parts(chat_server: LiveServer, trained, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    block = trained["block"]
+    downloaded = tmp_path / "parts.safetensors"
+    downloaded.write_bytes(chat_server.http(trained["key"]).get(f"/v1/datablocks/{block['id']}/content").content)
+    key = chat_server.add_user("importer")
+    done = subprocess.run([sys.executable, "-m", "cartridges.cli", "import", str(downloaded), "--user", "importer",
+                           "--name", "imported", "--model", str(chat_server.model), "--data-dir",
+                           str(chat_server.data_dir)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"cartridge in {len(block['metrics']['parts'])} parts" in done.stderr
+    imported = chat_server.http(key).get(f"/v1/datablocks/{done.stdout.strip()}").json()
+    assert imported["parts"] is True and imported["imported_from"] == "parts.safetensors"
+    assert imported["num_tokens"] == block["num_tokens"]
+    assert [p["num_tokens"] for p in imported["metrics"]["parts"]] == [p["num_tokens"] for p in block["metrics"]["parts"]]
+    # It answers as the datablock it came from.
+    asked = dict(messages=MESSAGES, temperature=0, max_tokens=8)
+    theirs = chat_server.openai(key).chat.completions.create(model=imported["id"], **asked)
+    ours = chat_server.openai(trained["key"]).chat.completions.create(model=block["id"], **asked)
+    assert theirs.choices[0].message.content == ours.choices[0].message.content
+    assert theirs.usage.prompt_tokens_details.cached_tokens == block["num_tokens"]
+
+
 def test_a_corpus_within_one_part_is_one_cartridge(chat_server: LiveServer, trained) -> None:
     key = trained["key"]
     with Client(chat_server.url, key) as client:

@@ -120,7 +120,7 @@ def _stored_cartridge(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from ..cartridge import CartridgeFileError, PartsFileError, load_cartridge
+    from ..cartridge import CartridgeFileError, load_cartridges, parts_to_bytes
     from ..models.default import base_model_id
     from ..server.settings import Settings
     from ..store import core, open_store
@@ -138,14 +138,17 @@ def run_import(args: argparse.Namespace) -> int:
     if model is None:
         return 1
     try:
-        cartridge = load_cartridge(args.source, model)
-    except PartsFileError:
-        print(f"error: {args.source} was trained in parts; importing such a file is not supported: train it on the "
-              "server with `parts`", file=sys.stderr)
-        return 1
+        cartridges = load_cartridges(args.source, model)
     except CartridgeFileError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    num_tokens = sum(c.num_tokens for c in cartridges)
+    config: dict[str, Any] = {"num_tokens": num_tokens, "imported_from": Path(args.source).name}
+    metrics: dict[str, Any] = {}
+    if len(cartridges) > 1:  # a cartridge trained in parts: served as one, its parts by mixture
+        config["parts"] = True
+        metrics["parts"] = [{"corpus_tokens": None, "num_tokens": c.num_tokens, "num_samples": c.config.get("num_samples"),
+                             "loss": None, "quality": c.quality, "signal_by_part": None} for c in cartridges]
     store = open_store(settings.data_dir, database_url=settings.database_url, blob_url=settings.blob_url)
     try:
         user = store.find_user(args.user)
@@ -154,20 +157,20 @@ def run_import(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 1
         blob = store.begin_blob()
-        blob.write(cartridge.to_bytes())
+        blob.write(cartridges[0].to_bytes() if len(cartridges) == 1 else parts_to_bytes(cartridges))
         done = {"stage": "done", "completed": 0, "total": 0, "eta_seconds": 0}
         model_path = str(Path(settings.model).resolve()) if settings.model else ""
         record = store.import_datablock(
             core().Owner(user.id, False), project=args.name, model=base_model_id(settings.model),
-            model_path=model_path, config=json.dumps({"num_tokens": cartridge.num_tokens, "imported_from": Path(args.source).name}),
-            num_tokens=cartridge.num_tokens, fingerprint=cartridge.fingerprint, cartridge=blob,
-            progress=json.dumps(done), metrics="{}")
+            model_path=model_path, config=json.dumps(config), num_tokens=num_tokens,
+            fingerprint=cartridges[0].fingerprint, cartridge=blob, progress=json.dumps(done),
+            metrics=json.dumps(metrics))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     finally:
         store.close()
     print(record.id)
-    print(f"(a {cartridge.num_tokens}-token cartridge of user '{args.user}'; chat with model='{record.id}')",
-          file=sys.stderr)
+    what = f"{num_tokens}-token cartridge" if len(cartridges) == 1 else f"cartridge in {len(cartridges)} parts"
+    print(f"(a {what} of user '{args.user}'; chat with model='{record.id}')", file=sys.stderr)
     return 0

@@ -59,9 +59,10 @@ class Progress(BaseModel):
 
 
 class PartMetrics(BaseModel):
-    corpus_tokens: int = Field(description="The part's tokens, the corpus' opening included.")
+    corpus_tokens: int | None = Field(description="The part's tokens, the corpus' opening included (null when "
+                                      "imported).")
     num_tokens: int = Field(description="Its cartridge's length in tokens.")
-    num_samples: int = Field(description="The training conversations decided for the part.")
+    num_samples: int | None = Field(description="The training conversations decided for the part.")
     loss: float | None = None
     quality: dict[str, Any] | None = None
     signal_by_part: list[float] | None = Field(default=None, description="As `metrics.signal_by_part`, over the "
