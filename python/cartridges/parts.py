@@ -143,9 +143,24 @@ def train_parts(
     the time the others will take. With `checkpoint`, part j of k keeps its training state at
     CHECKPOINT.partJofK (and `resume` continues each part from its own). `on_trained(j, k,
     cartridge)` is called as soon as part j of k is trained."""
+    from .training import train
+
     texts_of_parts = corpus_parts(model.tokenizer, texts, max_part_tokens or default_part_tokens(model))
-    return train_each_part(model, texts_of_parts, config, progress, checkpoint=checkpoint, resume=resume,
-                           on_trained=on_trained)
+    count = len(texts_of_parts)
+    sizes = [len(model.tokenizer.encode(text)) for text in texts_of_parts]
+    cartridges = []
+    started = time.monotonic()
+    for j, text in enumerate(texts_of_parts, 1):
+        if progress and count > 1:
+            print(f"part {j} of {count}: {sizes[j - 1]:,} tokens", file=sys.stderr)
+        part_checkpoint = checkpoint if checkpoint is None or count == 1 else f"{checkpoint}.part{j}of{count}"
+        cartridges.append(train(model, text, config, progress, checkpoint=part_checkpoint, resume=resume))
+        if on_trained is not None:
+            on_trained(j, count, cartridges[-1])
+        if progress and j < count:
+            print(f"part {j} of {count} done; {remaining_estimate(time.monotonic() - started, sizes, j)}",
+                  file=sys.stderr)
+    return cartridges
 
 
 def default_part_tokens(model: Any) -> int:
@@ -154,45 +169,6 @@ def default_part_tokens(model: Any) -> int:
     from .cartridge import native_model
 
     return DEFAULT_PART_CONTEXTS * native_model(model).config.max_position_embeddings
-
-
-def train_each_part(
-    model: Any,
-    texts_of_parts: Sequence[str],
-    config: TrainConfig | None = None,
-    progress: bool = True,
-    *,
-    checkpoint: str | os.PathLike[str] | None = None,
-    resume: bool = False,
-    on_part: Callable[[int, int], object] | None = None,
-    on_trained: Callable[[int, int, Cartridge], object] | None = None,
-    **train_options: Any,
-) -> list[Cartridge]:
-    """`train_parts` on parts already cut: `on_part(j, k)` before part j of k trains,
-    `train_options` (`cancel`, `on_progress`) passed to each `train`. A part whose training was
-    cancelled (`stats["cancelled"]`) is the last one returned."""
-    from .training import train
-
-    count = len(texts_of_parts)
-    sizes = [len(model.tokenizer.encode(text)) for text in texts_of_parts]
-    cartridges: list[Cartridge] = []
-    started = time.monotonic()
-    for j, text in enumerate(texts_of_parts, 1):
-        if on_part is not None:
-            on_part(j, count)
-        if progress and count > 1:
-            print(f"part {j} of {count}: {sizes[j - 1]:,} tokens", file=sys.stderr)
-        part_checkpoint = checkpoint if checkpoint is None or count == 1 else f"{checkpoint}.part{j}of{count}"
-        cartridges.append(train(model, text, config, progress, checkpoint=part_checkpoint, resume=resume,
-                                **train_options))
-        if cartridges[-1].stats.get("cancelled"):
-            break
-        if on_trained is not None:
-            on_trained(j, count, cartridges[-1])
-        if progress and j < count:
-            print(f"part {j} of {count} done; {remaining_estimate(time.monotonic() - started, sizes, j)}",
-                  file=sys.stderr)
-    return cartridges
 
 
 def remaining_estimate(elapsed_s: float, sizes: Sequence[int], done: int) -> str:
