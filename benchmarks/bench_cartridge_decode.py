@@ -6,7 +6,9 @@ rows measure the decode attention over them beside the matrix products.
     python benchmarks/bench_cartridge_decode.py [--new-tokens 128] [--repeats 3]
 
 The cartridges are the KV of random tokens (serving cost only: 1,024 tokens shared, 512 each
-for the distinct ones); the prompt is one short chat turn. Best of `--repeats` runs per case.
+for the distinct ones, and a cartridge in 4 parts of 1,024 tokens as `cartridges train --parts`
+makes for a 53K-token corpus, its parts composed by mixture: one sequence per part); the prompt
+is one short chat turn. Best of `--repeats` runs per case.
 To compare two builds of the core, run it against each in alternating processes.
 """
 
@@ -33,12 +35,15 @@ def main() -> None:
     vocab = model.native.config.vocab_size
     shared = model.native.prefix_from_tokens(torch.randint(vocab, (1024,)))
     own = [model.native.prefix_from_tokens(torch.randint(vocab, (512,))) for _ in range(16)]
+    parts = [model.native.prefix_from_tokens(torch.randint(vocab, (1024,))) for _ in range(4)]
     cases = [
         ("batch 1, no cartridge", 1, None),
         ("batch 16, no cartridge", 16, None),
         ("batch 1, a 1,024-token cartridge", 1, [shared]),
         ("batch 16, one 1,024-token cartridge", 16, [shared]),
         ("batch 16, 16 512-token cartridges", 16, [[p] for p in own]),
+        ("batch 1, a cartridge in 4 parts", 1, parts),
+        ("batch 16, one cartridge in 4 parts", 16, parts),
     ]
     print(f"default model, {torch.get_num_threads()} threads, {args.new_tokens} greedy tokens, "
           f"best of {args.repeats}")
