@@ -3,14 +3,15 @@ composed by mixture when served.
 
 A cartridge per part of a corpus of five or six contexts can remember more of it than one for
 the whole: on the 53K-token chronicle four parts recover 0.66 of the oracle's gain against one
-cartridge's 0.61, on the held-out 44K-token university calendar three parts 0.57 against 0.51,
-and on the held-out 41K-token lighthouse handbook 0.58-0.60 against 0.58-0.63 under two seeds
-(no gain), for the parts' count times the KV and the same training time (docs/experiments.md,
-"Does a cartridge per part of a long corpus, composed by mixture, remember more of it?"). The
-parts are kept as one cartridge file (`cartridges.save_cartridges`); a chat on it is answered by
-the mixture of its parts, which puts its weight on the part the question is about; a question
-that joins two parts is answered from one of them. They are not to be concatenated: parts
-trained apart read as one cartridge recover half as much.
+cartridge's 0.61, on the held-out 44K-token university calendar three parts 0.57 and 0.61
+against 0.51 and 0.44 under two seeds, and on the held-out 41K-token lighthouse handbook
+0.58-0.60 against 0.58-0.63 under two seeds (no gain), for the parts' count times the KV and the
+same training time (docs/experiments.md, "Does a cartridge per part of a long corpus, composed
+by mixture, remember more of it?"). The parts are kept as one cartridge file
+(`cartridges.save_cartridges`); a chat on it is answered by the mixture of its parts, which puts
+its weight on the part the question is about; a question that joins two parts is answered from
+one of them. They are not to be concatenated: parts trained apart read as one cartridge recover
+half as much.
 """
 
 from __future__ import annotations
