@@ -5,10 +5,11 @@ rows measure the decode attention over them beside the matrix products.
 
     python benchmarks/bench_cartridge_decode.py [--new-tokens 128] [--repeats 3]
 
-The cartridges are the KV of random tokens (serving cost only: 1,024 tokens shared, 512 each
-for the distinct ones, and a cartridge in 4 parts of 1,024 tokens as `cartridges train --parts`
-makes for a 53K-token corpus, its parts composed by mixture: one sequence per part); the prompt
-is one short chat turn. Best of `--repeats` runs per case.
+The cartridges are the KV of random tokens (serving cost only: 1,024 tokens shared, 512 each for
+the distinct ones, and a cartridge in 4 parts of 1,024 tokens as `cartridges train --parts`
+makes for a 53K-token corpus, its parts composed by mixture, one sequence per part, or routed,
+the reply decoded with the heaviest part alone); the prompt is one short chat turn. Best of
+`--repeats` runs per case.
 To compare two builds of the core, run it against each in alternating processes.
 """
 
@@ -44,11 +45,15 @@ def main() -> None:
         ("batch 16, 16 512-token cartridges", 16, [[p] for p in own]),
         ("batch 1, a cartridge in 4 parts", 1, parts),
         ("batch 16, one cartridge in 4 parts", 16, parts),
+        ("batch 1, 4 parts, routed", 1, parts),
+        ("batch 16, 4 parts, routed", 16, parts),
     ]
     print(f"default model, {torch.get_num_threads()} threads, {args.new_tokens} greedy tokens, "
           f"best of {args.repeats}")
     for name, batch, prefixes in cases:
         kwargs = {} if prefixes is None else {"prefixes": prefixes}
+        if name.endswith("routed"):
+            kwargs["composition"] = "route"
         model.generate([prompt] * batch, max_new_tokens=8, stop_token_ids=[], **kwargs)  # warm-up
         best = 0.0
         for _ in range(args.repeats):

@@ -52,3 +52,28 @@ def build_pair(kind: str, seed: int = 0, device: str = "cpu") -> tuple[transform
         tensors.pop("lm_head.weight", None)
     return hf, Model(config, tensors, None, name=f"tiny-{kind}", device=device)
 
+
+
+def requests_across_a_compaction(model: Model, seed: int, composition: str = "mixture",
+                                 device: str = "cpu") -> None:
+    """Four requests whose last fits the pool's free slots only once the first ends, and none of
+    its free ranges, so that the running requests' KV (a two-cartridge request's two sequences
+    included) moves: each gets what it gets alone."""
+    from cartridges import Engine
+
+    g = torch.Generator().manual_seed(seed)
+    cartridges = [model.native.prefix_from_tokens(torch.randint(VOCAB, (n,), generator=g).to(device))
+                  for n in (6, 4)]
+    specs = [(4, 10, []), (5, 25, cartridges), (3, 30, []), (6, 52, [])]  # 14, 2 x 30, 33 and 58 of 160 slots
+    prompts = [torch.randint(VOCAB, (n,), generator=g).tolist() for n, _, _ in specs]
+    engine = Engine(model, kv_tokens=160, cache_openings=False)
+    try:
+        streams = [engine.submit(p, prefixes=pre, max_new_tokens=m, stop_token_ids=[], composition=composition)
+                   for p, (_, m, pre) in zip(prompts, specs)]
+        got = [[d.token for d in s] for s in streams]
+        assert engine.stats().kv_compactions == 1
+    finally:
+        engine.close()
+    for p, (_, m, pre), tokens in zip(prompts, specs, got):
+        assert tokens == model.generate([p], prefixes=pre, max_new_tokens=m, stop_token_ids=[],
+                                        composition=composition)[0].tokens

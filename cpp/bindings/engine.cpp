@@ -50,7 +50,8 @@ void bind_sampling_and_composition(py::module_& m) {
 
   py::enum_<Composition>(m, "Composition", "How several cartridges of one request are composed.")
       .value("CONCATENATE", Composition::kConcatenate)
-      .value("MIXTURE", Composition::kMixture);
+      .value("MIXTURE", Composition::kMixture)
+      .value("ROUTE", Composition::kRoute);
   m.def("tokens_in_front", &tokens_in_front, py::arg("cartridge_tokens"), py::arg("composition"),
         "Context positions cartridges of these lengths take in front of a prompt when composed so: their sum, or "
         "for a mixture of two or more the longest.");

@@ -40,7 +40,8 @@ _PRIORITIES = {"interactive": core.Priority.INTERACTIVE, "background": core.Prio
 # The sampling defaults, the C++ SamplingParams' own: every signature below takes them from here.
 DEFAULT_SAMPLING = core.SamplingParams()
 # How several cartridges of one request are composed (cartridges_core.Composition).
-COMPOSITIONS = {"mixture": core.Composition.MIXTURE, "concatenate": core.Composition.CONCATENATE}
+COMPOSITIONS = {"mixture": core.Composition.MIXTURE, "route": core.Composition.ROUTE,
+                "concatenate": core.Composition.CONCATENATE}
 _POLL = timedelta(milliseconds=200)
 # Openings (template and system prompt) cached as prefixes: at least this many tokens to be
 # worth a prefix, at most this many, and at most this many tokens kept in all (the least
@@ -130,7 +131,9 @@ class Engine:
         "interactive" or "background". `composition`, for two or more cartridges: "mixture"
         (one sequence per cartridge, the next token drawn from their distributions weighted
         by how well each explains the conversation since `weigh_from`; each document's
-        questions keep their single-cartridge quality) or "concatenate" (their KV one after
+        questions keep their single-cartridge quality), "route" (as "mixture" while the prompt
+        is read, then the reply decoded with the heaviest cartridge alone: one sequence, for
+        the parts of one corpus) or "concatenate" (their KV one after
         another in front of one sequence: cheaper, but trained cartridges pull every question
         to themselves). `weigh_from`: per prompt, the token from which a mixture's weights
         count the prompt (`ChatTokenizer.conversation_start`); by default, past the chat

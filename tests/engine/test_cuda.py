@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cartridges import Engine
-from tiny_models import VOCAB, build_pair
+from tiny_models import VOCAB, build_pair, requests_across_a_compaction
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -90,23 +90,8 @@ def test_mixture_of_two_cartridges_close_to_the_bayesian_mixture_of_full_forward
 
 
 def test_requests_get_what_they_get_alone_across_a_pool_compaction(pair):
-    """The last request fits the pool's free slots only once the first ends, and none of its free
-    ranges: the running requests' KV (a mixture's two sequences included) moves on the device."""
-    _, model = pair
-    g = torch.Generator().manual_seed(9)
-    cartridges = [model.native.prefix_from_tokens(torch.randint(VOCAB, (n,), generator=g).cuda()) for n in (6, 4)]
-    specs = [(4, 10, []), (5, 25, cartridges), (3, 30, []), (6, 52, [])]  # 14, 2 x 30, 33 and 58 of 160 slots
-    prompts = [torch.randint(VOCAB, (n,), generator=g).tolist() for n, _, _ in specs]
-    engine = Engine(model, kv_tokens=160, cache_openings=False)
-    try:
-        streams = [engine.submit(p, prefixes=pre, max_new_tokens=m, stop_token_ids=[])
-                   for p, (_, m, pre) in zip(prompts, specs)]
-        got = [[d.token for d in s] for s in streams]
-        assert engine.stats().kv_compactions == 1
-    finally:
-        engine.close()
-    for p, (_, m, pre), tokens in zip(prompts, specs, got):
-        assert tokens == model.generate([p], prefixes=pre, max_new_tokens=m, stop_token_ids=[])[0].tokens
+    """The running requests' KV (a mixture's two sequences included) moves on the device."""
+    requests_across_a_compaction(pair[1], seed=9, device="cuda")
 
 
 def test_decode_steps_replay_cuda_graphs_with_the_eager_steps_numbers(pair):

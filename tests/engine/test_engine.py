@@ -14,7 +14,7 @@ import torch
 
 from cartridges import ContextLengthError, Engine, EngineBusyError
 from cartridges.stream import choice_seeds
-from tiny_models import VOCAB, build_pair
+from tiny_models import VOCAB, build_pair, requests_across_a_compaction
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +186,45 @@ def test_several_cartridges_mix_by_default_and_concatenate_on_request(model, eng
     assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == concatenated  # greedy, both KV in front
     with pytest.raises(ValueError, match="composition"):
         engine.submit(prompt, prefixes=kv, composition="average", **kwargs)
+
+
+def test_a_route_reads_the_prompt_with_every_cartridge_then_decodes_with_the_heaviest(model, engine):
+    """`route`: the cartridge that gave the prompt (from weigh_from on) the most likelihood,
+    computed here from full forwards, decodes the reply alone: the same tokens and
+    log-probabilities as that cartridge by itself. Beside other requests, a routed one computes
+    one sequence from then on, and each request gets its own answer."""
+    g = torch.Generator().manual_seed(9)
+    kwargs = dict(max_new_tokens=6, stop_token_ids=[], logprobs=1)
+    chosen_any = set()
+    for trial in range(4):
+        docs = [torch.randint(VOCAB, (n,), generator=g) for n in (8, 11, 5)]
+        kv = [model.native.prefix_from_tokens(d) for d in docs]
+        prompt = torch.randint(VOCAB, (40,), generator=g).tolist()  # longer than a prefill step
+        weigh_from = 10 * trial
+        each = []
+        for doc in docs:
+            with torch.no_grad():
+                logits = model.native.forward(torch.tensor([doc.tolist() + prompt]))[0, len(doc):-1]
+            gained = torch.log_softmax(logits, -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+            each.append(gained[max(weigh_from - 1, 0):].sum().item())
+        chosen = max(range(len(docs)), key=lambda c: each[c])
+        chosen_any.add(chosen)
+        # Submitted together, so that they share steps: the routed request beside a mixture.
+        routed, alone, mixed = [engine.submit(prompt, prefixes=p, composition=c, weigh_from=weigh_from, **kwargs)
+                                for p, c in ((kv, "route"), ([kv[chosen]], "mixture"), (kv, "mixture"))]
+        routed, alone, mixed = routed.result(), alone.result(), mixed.result()
+        assert routed.tokens == alone.tokens
+        assert [t.logprob for t in routed.logprobs] == pytest.approx([t.logprob for t in alone.logprobs], abs=1e-4)
+        mixture = bayesian_mixture(model, docs, prompt + mixed.tokens, min(weigh_from, len(prompt)))
+        assert [t.logprob for t in mixed.logprobs] == pytest.approx(mixture[len(prompt) - 1:].tolist(), abs=1e-4)
+    assert len(chosen_any) >= 2  # the trials chose different cartridges: the choice is the prompt's
+
+
+@pytest.mark.parametrize("seed", [9, 12, 17])  # the first cartridge chosen, then the second twice
+def test_routed_requests_get_what_they_get_alone_across_a_pool_compaction(model, seed):
+    """The two-cartridge request routed: its chosen sequence (the first or the second of its KV
+    range) moves with the pool's compaction."""
+    requests_across_a_compaction(model, seed, composition="route")
 
 
 def test_a_mixture_weighs_its_cartridges_from_weigh_from(model, engine):

@@ -83,6 +83,13 @@ def test_chat_composes_the_parts_by_mixture_exactly_as_the_library(chat_server: 
     assert reply.choices[0].message.content == expected.text
     assert [t.logprob for t in reply.choices[0].logprobs.content] == pytest.approx(
         [t.logprob for t in expected.logprobs], abs=1e-4)
+    # `route`: the prompt read with every part, the reply decoded with the heaviest alone.
+    routed = client.chat.completions.create(model=block["id"], messages=MESSAGES, temperature=0, max_tokens=12,
+                                            extra_body={"composition": "route"})
+    expected = model.generate([model.encode_chat(MESSAGES)], prefixes=[p.prefix(model) for p in parts],
+                              max_new_tokens=12, composition="route",
+                              weigh_from=[model.conversation_start(MESSAGES)])[0]
+    assert routed.choices[0].message.content == expected.text
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=block["id"], messages=MESSAGES, max_tokens=2,
                                        extra_body={"composition": "concatenate"})

@@ -19,10 +19,16 @@ enum class Composition {
   // prior): the cartridge that explains the conversation best speaks. Costs one sequence per
   // cartridge (a cartridge given twice, the same object, is composed once).
   kMixture = 1,
+  // As kMixture while the prompt is read; at its end only the cartridge with the most weight
+  // goes on, and the reply is decoded with it alone: one sequence a step instead of one per
+  // cartridge, for the parts of one corpus, where the question's own part takes nearly all
+  // the weight (docs/experiments.md, "Does a cartridge per part of a long corpus, composed by
+  // mixture, remember more of it?").
+  kRoute = 2,
 };
 
 // Context positions the cartridges of one request take in front of its prompt, given each
-// cartridge's length: all of them one after another, or, in a mixture of two or more, the
+// cartridge's length: all of them one after another, or, in a mixture (or route) of two or more, the
 // longest alone (each cartridge has its own sequence). The one rule of a request's context
 // arithmetic, for the engine and for the server's checks alike.
 int64_t tokens_in_front(const std::vector<int64_t>& cartridge_tokens, Composition composition);

@@ -29,8 +29,9 @@ namespace cartridges {
 
 namespace {
 
+// A request of one sequence per cartridge while its prompt is read (a mixture, or a route).
 bool is_mixture(const Request& request) {
-  return request.composition == Composition::kMixture && request.prefixes.size() >= 2;
+  return request.composition != Composition::kConcatenate && request.prefixes.size() >= 2;
 }
 
 // Positions the request's cartridges take in front of its prompt (tokens_in_front).
@@ -67,6 +68,9 @@ struct Live {
   int64_t branches = 1;
   int64_t slots = 0;
   std::vector<double> log_weights;
+  // The first sequence still computed: a routed request, once its prompt is read, goes on as
+  // the one sequence of the cartridge it chose (branches 1).
+  int64_t first_branch = 0;
 };
 
 class EngineImpl {
@@ -94,7 +98,7 @@ class EngineImpl {
     std::vector<Sampler> samplers;
     for (auto& r : requests) {
       samplers.push_back(check(r));
-      if (r.composition == Composition::kMixture) drop_repeats(r.prefixes);  // a cartridge twice adds nothing
+      if (r.composition != Composition::kConcatenate) drop_repeats(r.prefixes);  // a cartridge twice adds nothing
     }
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopping_) throw EngineStoppedError("the engine has shut down");
@@ -277,7 +281,7 @@ class EngineImpl {
       const Live& live = *lives_.at(move.id);
       const int64_t filled =
           scheduler_.find(move.id)->prefilled + std::max<int64_t>(0, static_cast<int64_t>(live.generated.size()) - 1);
-      for (int64_t b = 0; b < live.branches && filled > 0; ++b) {
+      for (int64_t b = live.first_branch; b < live.first_branch + live.branches && filled > 0; ++b) {
         runs.push_back({move.from + b * live.slots, move.to + b * live.slots, filled});
       }
     }
@@ -318,10 +322,11 @@ class EngineImpl {
         Live* live = lives_.at(id).get();
         const Scheduled* s = scheduler_.find(id);
         const auto& prompt = live->request.prompt;
-        for (int64_t b = 0; b < live->branches; ++b) {
+        const bool own_cartridge = is_mixture(live->request);  // each sequence reads one cartridge
+        for (int64_t b = live->first_branch; b < live->first_branch + live->branches; ++b) {
           PackedSequence seq;
           seq.kv_offset = s->kv_offset + b * live->slots;
-          seq.prefixes = live->branches > 1 ? PrefixList{live->request.prefixes[b]} : live->request.prefixes;
+          seq.prefixes = own_cartridge ? PrefixList{live->request.prefixes[b]} : live->request.prefixes;
           if (chunk == 0) {
             // The pool holds the prompt and every generated token but the last, which is the input.
             seq.past = s->prompt_tokens + static_cast<int64_t>(live->generated.size()) - 1;
@@ -424,6 +429,15 @@ class EngineImpl {
     }
     if (!samples) return;
     const auto last = logprobs.select(1, part.rows - 1);  // [n, vocab]
+    if (live.request.composition == Composition::kRoute) {
+      // The prompt is read: the heaviest cartridge alone decodes the reply.
+      const auto chosen = std::max_element(live.log_weights.begin(), live.log_weights.end()) - live.log_weights.begin();
+      live.first_branch = chosen;
+      live.branches = 1;
+      scheduler_.narrow(live.id, 1);
+      sample_into(live, last[chosen], events);
+      return;
+    }
     auto weights = at::tensor(live.log_weights, at::kDouble);
     weights = (weights - at::logsumexp(weights, 0)).to(at::kFloat);
     const auto mixed = at::logsumexp(last + weights.unsqueeze(1), 0);  // [vocab] log-probabilities

@@ -104,6 +104,13 @@ void Scheduler::prefilled(int64_t id, int64_t tokens) {
   it->second.prefilled += tokens;
 }
 
+void Scheduler::narrow(int64_t id, int64_t rows) {
+  auto it = running_.find(id);
+  TORCH_INTERNAL_ASSERT(it != running_.end() && rows > 0 && rows <= it->second.rows);
+  running_rows_ -= it->second.rows - rows;
+  it->second.rows = rows;
+}
+
 bool Scheduler::finish(int64_t id) {
   if (auto it = running_.find(id); it != running_.end()) {
     allocator_.release(it->second.kv_offset, it->second.reserve);

@@ -37,10 +37,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "a cartridge id of that server (not a file); give several (after one --cartridge or "
                         "repeated) to compose them (see --composition); a file of `cartridges train --parts` "
                         "brings all its parts, composed by mixture")
-    parser.add_argument("--composition", choices=["mixture", "concatenate"], default="mixture",
+    parser.add_argument("--composition", choices=["mixture", "route", "concatenate"], default="mixture",
                         help="how several cartridges are composed: mixture (each reads the conversation on its own "
-                        "and the one that explains it best speaks; the default) or concatenate (their KV one "
-                        "after another, in order)")
+                        "and the one that explains it best speaks; the default), route (as mixture while the "
+                        "prompt is read, then the heaviest cartridge alone: one sequence, faster for the parts of "
+                        "`cartridges train --parts`) or concatenate (their KV one after another, in order)")
     parser.add_argument("--retrieval", metavar="K", type=int, nargs="?", const=4, default=None,
                         help="with --server: also put in the prompt the K passages (default 4) of the cartridges' "
                         "training files that best match each message (BM25), behind the cartridges; worth it on "

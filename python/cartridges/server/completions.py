@@ -69,7 +69,8 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
             raise unavailable.error from None
         if len(parts) > 1 and body.composition == "concatenate":
             raise APIError(400, f"Cartridge '{identifier}' was trained in parts, which are composed by mixture: "
-                           "leave out `composition` (or give \"mixture\").", code="invalid_value", param="composition")
+                           "leave out `composition` (or give \"mixture\" or \"route\").", code="invalid_value",
+                           param="composition")
         records.append(record)
         prefixes += parts
         cartridge_tokens += sum(prefix.num_tokens for prefix in parts)
