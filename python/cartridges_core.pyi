@@ -172,10 +172,13 @@ class Composition:
       CONCATENATE
     
       MIXTURE
+    
+      ROUTE
     """
     CONCATENATE: typing.ClassVar[Composition]  # value = <Composition.CONCATENATE: 0>
     MIXTURE: typing.ClassVar[Composition]  # value = <Composition.MIXTURE: 1>
-    __members__: typing.ClassVar[dict[str, Composition]]  # value = {'CONCATENATE': <Composition.CONCATENATE: 0>, 'MIXTURE': <Composition.MIXTURE: 1>}
+    ROUTE: typing.ClassVar[Composition]  # value = <Composition.ROUTE: 2>
+    __members__: typing.ClassVar[dict[str, Composition]]  # value = {'CONCATENATE': <Composition.CONCATENATE: 0>, 'MIXTURE': <Composition.MIXTURE: 1>, 'ROUTE': <Composition.ROUTE: 2>}
     @typing.overload
     def __eq__(self, other: Composition) -> bool:
         ...
