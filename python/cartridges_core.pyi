@@ -1066,7 +1066,7 @@ def length_groups(lengths: collections.abc.Sequence[typing.SupportsInt | typing.
     """
 def tokens_in_front(cartridge_tokens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], composition: Composition) -> int:
     """
-    Context positions cartridges of these lengths take in front of a prompt when composed so: their sum, or for a mixture of two or more the longest.
+    Context positions cartridges of these lengths take in front of a prompt when composed so: their sum, or for a mixture or a route of two or more the longest.
     """
 def train_cartridge(model: LlamaModel, params: CartridgeParams, data: TrainingData, options: TrainOptions, on_progress: collections.abc.Callable | None = None, cancel: CancelToken = None) -> TrainResult:
     """

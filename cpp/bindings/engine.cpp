@@ -54,7 +54,7 @@ void bind_sampling_and_composition(py::module_& m) {
       .value("ROUTE", Composition::kRoute);
   m.def("tokens_in_front", &tokens_in_front, py::arg("cartridge_tokens"), py::arg("composition"),
         "Context positions cartridges of these lengths take in front of a prompt when composed so: their sum, or "
-        "for a mixture of two or more the longest.");
+        "for a mixture or a route of two or more the longest.");
 }
 
 // The engine's options, events and statistics, and the cartridge cache.

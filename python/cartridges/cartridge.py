@@ -440,8 +440,6 @@ def _read_cartridge_file(path: Path) -> tuple[dict[str, str], dict[str, torch.Te
 
 
 def _parts_tensors_and_metadata(parts: Sequence[Cartridge]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    if len(parts) < 2:
-        raise ValueError("a parts file holds two or more cartridges; save one with Cartridge.save")
     tensors: dict[str, torch.Tensor] = {}
     metadata = []
     for j, part in enumerate(parts):
@@ -452,21 +450,25 @@ def _parts_tensors_and_metadata(parts: Sequence[Cartridge]) -> tuple[dict[str, t
                      "parts": json.dumps(metadata, sort_keys=True)}
 
 
-def parts_to_bytes(parts: Sequence[Cartridge]) -> bytes:
-    """The bytes of a file holding a cartridge per part of a corpus (see the module doc)."""
+def _file_contents(cartridges: Sequence[Cartridge]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of one cartridge's file, or of a parts file for several."""
+    if not cartridges:
+        raise ValueError("no cartridges to write")
+    return cartridges[0]._tensors_and_metadata() if len(cartridges) == 1 else _parts_tensors_and_metadata(cartridges)
+
+
+def cartridges_to_bytes(cartridges: Sequence[Cartridge]) -> bytes:
+    """The bytes `save_cartridges` writes (e.g. for a store blob)."""
     from safetensors.torch import save
 
-    tensors, metadata = _parts_tensors_and_metadata(parts)
+    tensors, metadata = _file_contents(cartridges)
     return save(tensors, metadata=metadata)
 
 
 def save_cartridges(cartridges: Sequence[Cartridge], path: str | os.PathLike[str]) -> None:
-    """Write one cartridge (`Cartridge.save`), or the cartridges of a corpus' parts as one file
-    (see the module doc), atomically."""
-    if len(cartridges) == 1:
-        cartridges[0].save(path)
-    else:
-        _write_atomically(*_parts_tensors_and_metadata(cartridges), Path(path))
+    """Write one cartridge (as `Cartridge.save`), or the cartridges of a corpus' parts as one
+    file (see the module doc), atomically."""
+    _write_atomically(*_file_contents(cartridges), Path(path))
 
 
 def _write_atomically(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> None:

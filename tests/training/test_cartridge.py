@@ -187,7 +187,7 @@ def test_the_parts_of_a_corpus_are_one_file_read_as_a_list(model, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from cartridges.cartridge import PartsFileError, load_cartridges, parts_to_bytes, save_cartridges
+    from cartridges.cartridge import PartsFileError, cartridges_to_bytes, load_cartridges, save_cartridges
 
     parts = [trained_like(model, seed=1), biased_like(model), trained_like(model, seed=3).to(torch.bfloat16)]
     parts[0].config = {"part": 1}
@@ -195,7 +195,7 @@ def test_the_parts_of_a_corpus_are_one_file_read_as_a_list(model, tmp_path):
     path = tmp_path / "parts.safetensors"
     save_cartridges(parts, path)
     loaded = load_cartridges(path, model)
-    (tmp_path / "blob.safetensors").write_bytes(parts_to_bytes(parts))  # what a datablock's blob holds
+    (tmp_path / "blob.safetensors").write_bytes(cartridges_to_bytes(parts))  # what a datablock's blob holds
     assert load_cartridges(tmp_path / "blob.safetensors") == parts
     assert loaded == parts and loaded[0].config == {"part": 1} and loaded[1].quality == {"recovered": 0.5}
     assert loaded[2].dtype == torch.bfloat16 and loaded[1].biases is not None
@@ -226,8 +226,11 @@ def test_the_parts_of_a_corpus_are_one_file_read_as_a_list(model, tmp_path):
     save_file(load_file(str(path)), str(tmp_path / "nometa.safetensors"), metadata={**meta, "parts": "[]"})
     with pytest.raises(CartridgeFileError, match="does not describe its 3 parts"):
         load_cartridges(tmp_path / "nometa.safetensors")
-    with pytest.raises(ValueError, match="two or more"):
-        parts_to_bytes(parts[:1])
+    # One cartridge's bytes are its own file's (what `Cartridge.load` reads); none is refused.
+    (tmp_path / "one_blob.safetensors").write_bytes(cartridges_to_bytes(parts[:1]))
+    assert Cartridge.load(tmp_path / "one_blob.safetensors") == parts[0]
+    with pytest.raises(ValueError, match="no cartridges"):
+        cartridges_to_bytes([])
 
 
 def test_bad_files_are_refused(model, tmp_path):

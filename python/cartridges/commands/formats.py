@@ -120,7 +120,7 @@ def _stored_cartridge(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from ..cartridge import CartridgeFileError, load_cartridges, parts_to_bytes
+    from ..cartridge import CartridgeFileError, cartridges_to_bytes, load_cartridges
     from ..models.default import base_model_id
     from ..server.settings import Settings
     from ..store import core, open_store
@@ -157,7 +157,7 @@ def run_import(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 1
         blob = store.begin_blob()
-        blob.write(cartridges[0].to_bytes() if len(cartridges) == 1 else parts_to_bytes(cartridges))
+        blob.write(cartridges_to_bytes(cartridges))
         done = {"stage": "done", "completed": 0, "total": 0, "eta_seconds": 0}
         model_path = str(Path(settings.model).resolve()) if settings.model else ""
         record = store.import_datablock(

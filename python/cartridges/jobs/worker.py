@@ -130,7 +130,7 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
 
     from ..selfstudy import Corpus
     from ..selfstudy.config import TrainConfig
-    from ..cartridge import native_model, parts_to_bytes
+    from ..cartridge import cartridges_to_bytes, native_model
     from ..parts import corpus_parts, default_part_tokens
     from ..training import TrainingCancelled, decided_config, train
 
@@ -195,7 +195,7 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
                         parts=[_part_metrics(c, corpus) for c, corpus in zip(cartridges, corpora)])
         progress.metrics["loss"] = None  # the last part's: each part's is in `parts`
     blob = store.begin_blob()
-    blob.write(cartridges[0].to_bytes() if len(cartridges) == 1 else parts_to_bytes(cartridges))
+    blob.write(cartridges_to_bytes(cartridges))
     final = {"stage": "done", "completed": steps, "total": steps, "eta_seconds": 0}
     progress.close()  # no heartbeat after this: the last write is the status change
     store.succeed_datablock(owner, run_id, blob, json.dumps(final), json.dumps(progress.metrics))
