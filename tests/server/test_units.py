@@ -251,3 +251,31 @@ def test_datablocks_wait_rides_out_a_server_restart_and_the_cli_names_an_unreach
 
     assert main(["datablocks", "--base-url", "http://127.0.0.1:9", "--api-key", "k", "list"]) == 1
     assert "cannot reach the server at http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_a_new_part_counts_its_time_left_from_its_own_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two parts whose first stage is the same: the second's `eta_seconds` is at its own rate,
+    not at one diluted by the first part's time."""
+    import cartridges_core as core
+
+    from cartridges.jobs import progress as progress_module
+    from cartridges.jobs.progress import JobProgress
+
+    clock = [100.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: clock[0])
+
+    class Store:
+        def update_datablock_progress(self, *args: object) -> None:
+            pass
+
+    progress = JobProgress(Store(), None, "run", core.CancelToken(), core)
+    progress.set_part(1, 2)
+    progress.update("training", 0, 10)
+    clock[0] += 100.0  # part 1 trains its 10 steps in 100 s
+    progress.update("training", 10, 10)
+    progress.set_part(2, 2)
+    progress.update("training", 0, 10)
+    clock[0] += 1.0  # part 2's first 5 steps in 1 s: 1 s more at its rate
+    progress.update("training", 5, 10)
+    assert progress.progress() == {"stage": "training", "completed": 5, "total": 10, "eta_seconds": 1,
+                                   "part": 2, "parts": 2}
