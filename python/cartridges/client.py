@@ -73,14 +73,15 @@ class Datablocks:
         self._client = client
 
     def train(self, training_files: list[str] | str, *, name: str | None = None, model: str | None = None,
-              config: dict[str, Any] | None = None, parts: bool = False,
+              config: dict[str, Any] | None = None, parts: bool | None = None,
               part_tokens: int | None = None) -> dict[str, Any]:
         """Queues training on the given processed files; returns the datablock (`queued`). With
-        `parts`, a corpus far beyond the context is trained as a cartridge per part of at most
-        `part_tokens` tokens, served together by mixture."""
+        `parts`, the corpus is trained as a cartridge per part of at most `part_tokens` tokens,
+        served together by mixture; `parts=False`, as one cartridge; unset, in parts when it holds
+        more than four of the model's contexts."""
         files = [training_files] if isinstance(training_files, str) else list(training_files)
         body: dict[str, Any] = {"training_files": files}
-        for key, value in (("name", name), ("model", model), ("config", config), ("parts", parts or None),
+        for key, value in (("name", name), ("model", model), ("config", config), ("parts", parts),
                            ("part_tokens", part_tokens)):
             if value is not None:
                 body[key] = value

@@ -56,12 +56,14 @@ def test_train_watch_list_delete(jobs_server: LiveServer, alice) -> None:
     assert block["training_files"] == [file_id]
     assert block["config"]["learning_rate"] == 0.05 and block["config"]["num_samples"] == 8
     assert block["config"]["objective"] == "distill"  # defaults filled in
-    assert block["num_tokens"] == 8 and block["bytes"] is None and block["error"] is None
+    # Whether it trains in parts (each of 8 tokens) waits for the corpus: its length too.
+    assert block["num_tokens"] is None and block["parts"] is None
+    assert block["bytes"] is None and block["error"] is None
     assert block["progress"]["stage"] == "queued" and block["started_at"] is None
 
     done = client.datablocks.wait(block["id"], timeout=120, poll_interval=0.2, progress=False)
     assert done["status"] == "succeeded", done
-    assert done["progress"]["stage"] == "done"
+    assert done["progress"]["stage"] == "done" and done["num_tokens"] == 8 and done["parts"] is False
     assert done["bytes"] > 0 and done["started_at"] and done["finished_at"] >= done["started_at"]
     assert done["updated_at"] >= done["finished_at"]  # the last write is the one that finished it
     assert done["metrics"]["synthetic_samples"] == 8

@@ -152,6 +152,31 @@ def test_a_corpus_within_one_part_is_one_cartridge(chat_server: LiveServer, trai
     assert reply.usage.prompt_tokens_details.cached_tokens == TINY_TRAIN_CONFIG["num_tokens"]
 
 
+def test_a_corpus_past_four_contexts_trains_in_parts_unless_told(chat_server: LiveServer, trained, model) -> None:
+    key = trained["key"]
+    sections = [f"## {n}. Part {n}\n\n{DOCUMENT.strip()}" for n in range(1, 13)]
+    long = "# Quelmor at length\n\nThe village, again and again.\n\n" + "\n\n".join(sections)
+    tokens = len(model.tokenizer.encode(long))
+    assert tokens > 4 * 1024  # four of the tiny model's contexts
+    with Client(chat_server.url, key) as client:
+        file_id = upload_text(chat_server.openai(key), long, name="long.md")
+        left = client.datablocks.train([file_id], name="auto", config=TINY_TRAIN_CONFIG)
+        # One cartridge keeps a token of each of the corpus' windows: 16 of them.
+        told = client.datablocks.train([file_id], name="one", config=TINY_TRAIN_CONFIG | {"num_tokens": 16}, parts=False)
+        short = client.datablocks.train([upload_text(chat_server.openai(key), DOCUMENT)], name="brief",
+                                        config=TINY_TRAIN_CONFIG)
+        assert left["parts"] is None and left["num_tokens"] is None  # decided once the job reads the files
+        assert told["parts"] is False and told["num_tokens"] == 16
+        left, told, short = (client.datablocks.wait(b["id"], timeout=300, poll_interval=0.2, progress=False)
+                             for b in (left, told, short))
+    assert left["status"] == told["status"] == short["status"] == "succeeded", (left["error"], told["error"], short["error"])
+    expected = corpus_parts(model.tokenizer, long, 2 * 1024)  # parts of two contexts
+    assert left["parts"] is True and left["part_tokens"] == 2048 and len(left["metrics"]["parts"]) == len(expected) >= 3
+    assert len(stored_parts(chat_server, left["id"])) == len(expected)
+    for one in (told, short):
+        assert one["parts"] is False and one["metrics"]["parts"] is None and len(stored_parts(chat_server, one["id"])) == 1
+
+
 def test_deleting_it_unloads_every_part(chat_server: LiveServer, trained) -> None:
     key = trained["key"]
     client = chat_server.openai(key)
@@ -171,7 +196,7 @@ def test_deleting_it_unloads_every_part(chat_server: LiveServer, trained) -> Non
 def test_bad_parts_requests_are_refused(chat_server: LiveServer, trained) -> None:
     http = chat_server.http(trained["key"])
     file_id = trained["block"]["training_files"][0]
-    for body, says, param in (({"part_tokens": 500}, "needs `parts: true`", None),
+    for body, says, param in (({"parts": False, "part_tokens": 500}, "cannot go with `parts: false`", None),
                               ({"parts": True, "part_tokens": 8}, "64", "part_tokens"),
                               ({"parts": "yes please"}, "bool", "parts")):
         refused = http.post("/v1/datablocks/train", json={"training_file": file_id, **body})

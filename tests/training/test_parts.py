@@ -105,13 +105,16 @@ def test_train_command_writes_the_parts_as_one_file_and_chat_composes_them(model
         Cartridge.load(out)
     # A corpus within one part (1,993 tokens; two contexts of the tiny model: 2,048): one cartridge, at --out.
     assert main(base + ["--parts"]) == 0 and Cartridge.load(out).num_tokens == 8
-    # --part-tokens needs --parts, and a part of some size; parts are not written as a research .pt.
-    assert main(base + ["--part-tokens", "1500"]) == 2
-    assert "--part-tokens needs --parts" in capsys.readouterr().err
+    # --part-tokens alone means parts of that size; not with --no-parts, and a part of some size;
+    # parts are not written as a research .pt.
+    assert main(base + ["--part-tokens", "1500"]) == 0 and len(load_cartridges(out)) == 2
+    assert main(base + ["--no-parts", "--part-tokens", "1500"]) == 2
+    assert "cannot go with --no-parts" in capsys.readouterr().err
     assert main(base + ["--parts", "--part-tokens", "8"]) == 2
     assert "at least 64" in capsys.readouterr().err
-    assert main(base[:3] + [str(tmp_path / "manual.pt")] + base[4:] + ["--parts"]) == 2
-    assert "holds one cartridge, not parts" in capsys.readouterr().err
+    for flag in ("--parts", "--part-tokens=1500"):
+        assert main(base[:3] + [str(tmp_path / "manual.pt")] + base[4:] + [flag]) == 2
+        assert "holds one cartridge, not parts" in capsys.readouterr().err
 
     class Chatty:  # the chat command's needs, on the tiny model
         name = "tiny"
@@ -130,3 +133,32 @@ def test_train_command_writes_the_parts_as_one_file_and_chat_composes_them(model
     assert "3 cartridges by mixture" in capsys.readouterr().out
     assert main(["chat", "--cartridge", str(out), "--composition", "concatenate"]) == 2
     assert "composed by mixture" in capsys.readouterr().err
+
+
+def test_train_command_trains_a_corpus_past_four_contexts_in_parts_unless_told(model, tmp_path, monkeypatch, capsys):
+    import cartridges.model
+    from cartridges.cartridge import load_cartridges
+    from cartridges.cli import main
+    from cartridges.parts import in_parts_by_default
+    from cartridges.selfstudy import Corpus
+
+    monkeypatch.setattr(cartridges.model, "load_model", lambda path=None, **kw: model)
+    long, short = manual(sections=10, paragraphs=2, words=30), manual(sections=4, paragraphs=2, words=30)
+    tokens = len(Corpus.from_texts(model.tokenizer, [long]))
+    assert tokens > 4 * 1024 and in_parts_by_default(model, tokens)  # four of the tiny model's contexts
+    assert not in_parts_by_default(model, 4 * 1024)
+    (tmp_path / "long.md").write_text(long)
+    (tmp_path / "short.md").write_text(short)
+    out = tmp_path / "c.safetensors"
+    flags = ["--num-tokens", "8", "--num-samples", "2", "--objective", "next_token", "--no-progress"]
+    assert main(["train", str(tmp_path / "long.md"), "--out", str(out), *flags]) == 0
+    err = capsys.readouterr().err
+    assert f"the corpus has {tokens:,} tokens, more than 4 of the model's contexts" in err and "--no-parts" in err
+    parts = load_cartridges(out)
+    assert len(parts) == 3 and len(corpus_parts(model.tokenizer, long, 2 * 1024)) == 3  # parts of two contexts
+    assert main(["train", str(tmp_path / "long.md"), "--out", str(out), "--no-parts", *flags]) == 0
+    assert len(load_cartridges(out)) == 1 and "contexts" not in capsys.readouterr().err
+    pt = tmp_path / "c.pt"  # the research format holds one cartridge: one, whatever the length
+    assert main(["train", str(tmp_path / "long.md"), "--out", str(pt), *flags]) == 0 and pt.exists()
+    assert main(["train", str(tmp_path / "short.md"), "--out", str(out), *flags]) == 0
+    assert len(load_cartridges(out)) == 1 and Cartridge.load(out).num_tokens == 8

@@ -58,12 +58,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "named PATH.*); without --resume an earlier run's state there is replaced")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint (needs it)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--parts", action="store_true", help="for a corpus far beyond the context: cut it at headings "
-                        "(or paragraphs) into parts of at most --part-tokens, train a cartridge per part and write "
-                        "them all to CART as one file, which chat and the server compose by mixture (a corpus within "
-                        "one part: one cartridge, as without --parts); with --checkpoint, each part's state is kept "
-                        "and --resume goes on from it")
-    parser.add_argument("--part-tokens", type=int, metavar="N", help="with --parts, the most tokens of a part "
+    parser.add_argument("--parts", action=argparse.BooleanOptionalAction, help="cut the corpus at headings (or "
+                        "paragraphs) into parts of at most --part-tokens, train a cartridge per part and write them "
+                        "all to CART as one file, which chat and the server compose by mixture; with --checkpoint, "
+                        "each part's state is kept and --resume goes on from it. Default: in parts for a corpus of "
+                        "more than four of the model's contexts (32,768 tokens for the default model), one cartridge "
+                        "otherwise (and always for a .pt); --no-parts for one cartridge however long the corpus")
+    parser.add_argument("--part-tokens", type=int, metavar="N", help="the most tokens of a part; implies --parts "
                         "(default: two of the model's contexts, 16,384 tokens for the default model)")
     summaries = field_summaries()
     for name, info in TrainConfig.model_fields.items():
@@ -95,18 +96,18 @@ def read_text(path: Path) -> str:
     return text
 
 
-def check_paths(files: list[str], out: str, checkpoint: str | None, resume: bool, parts: bool = False,
+def check_paths(files: list[str], out: str, checkpoint: str | None, resume: bool, parts: bool | None = False,
                 part_tokens: int | None = None) -> None:
     """What would fail only after hours of training, or destroy a file, refused up front."""
     if resume and checkpoint is None:
         raise InputError("--resume needs --checkpoint: the path of the training state to continue from")
-    if part_tokens is not None and not parts:
-        raise InputError("--part-tokens needs --parts")
+    if part_tokens is not None and parts is False:
+        raise InputError("--part-tokens is the size of a part: it cannot go with --no-parts")
     from ..parts import MIN_PART_TOKENS
 
     if part_tokens is not None and part_tokens < MIN_PART_TOKENS:
         raise InputError(f"--part-tokens must be at least {MIN_PART_TOKENS}")
-    if parts and Path(out).suffix == ".pt":
+    if (parts or part_tokens is not None) and Path(out).suffix == ".pt":
         raise InputError("--parts writes a cartridge file (.safetensors): the research .pt format holds one "
                          "cartridge, not parts")
     inputs = {Path(f).resolve() for f in files}
@@ -176,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_model_or_report(args.model, args.device)
     if model is None:
         return 1
-    if args.parts:
+    if _in_parts(model, texts, args):
         return _train_parts(model, texts, config, args)
     try:
         cartridge: Cartridge = train(model, texts, config, progress=not args.no_progress,
@@ -187,6 +188,24 @@ def run(args: argparse.Namespace) -> int:
     out = save(cartridge, Path(args.out))
     describe_trained(cartridge, out)
     return 0 if out == Path(args.out) else 1
+
+
+def _in_parts(model: Any, texts: list[str], args: argparse.Namespace) -> bool:
+    """--parts or --part-tokens: in parts; --no-parts or a .pt: one cartridge; neither: in parts
+    past four contexts (`cartridges.parts.in_parts_by_default`), said on stderr."""
+    if args.parts is not None or args.part_tokens is not None:
+        return args.parts is not False
+    if Path(args.out).suffix == ".pt":
+        return False
+    from ..parts import PARTS_PAST_CONTEXTS, in_parts_by_default
+    from ..selfstudy import Corpus
+
+    tokens = len(Corpus.from_texts(model.tokenizer, texts))
+    if not in_parts_by_default(model, tokens):
+        return False
+    print(f"the corpus has {tokens:,} tokens, more than {PARTS_PAST_CONTEXTS} of the model's contexts: training a "
+          "cartridge per part (--no-parts for one cartridge)", file=sys.stderr)
+    return True
 
 
 def _train_parts(model: Any, texts: list[str], config: Any, args: argparse.Namespace) -> int:

@@ -131,7 +131,7 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
     from ..selfstudy import Corpus
     from ..selfstudy.config import TrainConfig
     from ..cartridge import cartridges_to_bytes, native_model
-    from ..parts import corpus_parts, default_part_tokens
+    from ..parts import corpus_parts, default_part_tokens, in_parts_by_default
     from ..training import TrainingCancelled, decided_config, train
 
     run_id = record.run_id
@@ -143,15 +143,19 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
     model = _load_model(record.model_path)
     if record.fingerprint and record.fingerprint != model.fingerprint:
         raise JobFailed("interrupted", "the server's base model changed since this job started; it cannot resume")
-    # The corpus is tokenized once, here (trained in parts: each part). What the config leaves
-    # open (the cartridge's length, the number of conversations, the dtype trained in) is
-    # decided once, here, for each part, and the datablock shows it from now on.
-    parts = {}
-    pieces: list[list[str]] = [texts]
-    if stored.get("parts"):
-        parts = {"parts": True, "part_tokens": stored.get("part_tokens") or default_part_tokens(model)}
-        pieces = [[text] for text in corpus_parts(model.tokenizer, texts, parts["part_tokens"])]
-    corpora = [Corpus.from_texts(model.tokenizer, piece) for piece in pieces]
+    # The corpus is tokenized here (trained in parts: each part too). Whether it trains in parts,
+    # when the request left that to its length, and what the config leaves open (the cartridge's
+    # length, the number of conversations, the dtype trained in) are decided once, here, for each
+    # part, and the datablock shows them from now on.
+    corpora = [Corpus.from_texts(model.tokenizer, texts)]
+    in_parts = stored.get("parts")
+    if in_parts is None:
+        in_parts = in_parts_by_default(model, len(corpora[0]))
+    parts: dict[str, Any] = {"parts": in_parts}
+    if in_parts:
+        parts["part_tokens"] = stored.get("part_tokens") or default_part_tokens(model)
+        corpora = [Corpus.from_texts(model.tokenizer, [text])
+                   for text in corpus_parts(model.tokenizer, texts, parts["part_tokens"])]
     configs = [decided_config(config, len(corpus), native_model(model)) for corpus in corpora]
     shown = (configs[0] if len(configs) == 1 else config).to_dict() | parts
     from ..store import core

@@ -30,20 +30,22 @@ class TrainRequest(BaseModel):
         description="The training config: any of its fields, the others keep their defaults (docs/configuration.md). "
         "Unknown fields, wrong types and values out of range are refused.",
     )
-    parts: bool = Field(
-        default=False,
-        description="For a corpus far beyond the model's context: cut it at headings (or paragraphs) into parts of at "
-        "most `part_tokens`, train a cartridge per part with `config`, and keep them as one cartridge whose parts a "
-        "chat composes by mixture. A corpus within one part gets one cartridge, as without `parts`.")
+    parts: bool | None = Field(
+        default=None,
+        description="`true`: cut the corpus at headings (or paragraphs) into parts of at most `part_tokens`, train a "
+        "cartridge per part with `config`, and keep them as one cartridge whose parts a chat composes by mixture (a "
+        "corpus within one part gets one cartridge). `false`: one cartridge however long the corpus. Unset: in parts "
+        "for a corpus of more than four of the model's contexts (32,768 tokens for the default model), decided when "
+        "the job has read the files.")
     part_tokens: int | None = Field(
         default=None, ge=MIN_PART_TOKENS,
-        description="With `parts`, the most tokens of a part; default: two of the model's contexts (16,384 tokens "
-        "for the default model).")
+        description="The most tokens of a part (implies `parts`); default: two of the model's contexts (16,384 "
+        "tokens for the default model).")
 
     @model_validator(mode="after")
     def _part_tokens_need_parts(self) -> TrainRequest:
-        if self.part_tokens is not None and not self.parts:
-            raise ValueError("`part_tokens` needs `parts: true`")
+        if self.part_tokens is not None and self.parts is False:
+            raise ValueError("`part_tokens` is the size of a part: it cannot go with `parts: false`")
         return self
 
 
@@ -107,11 +109,12 @@ class DatablockObject(BaseModel):
     progress: Progress
     metrics: Metrics
     num_tokens: int | None = Field(description="Cartridge length in tokens (trained in parts: the parts' sum; a "
-                                   "chat's context holds only the longest part); null while queued when the config "
-                                   "leaves it to the corpus.")
+                                   "chat's context holds only the longest part); null while queued when it waits for "
+                                   "the corpus (a config that leaves it to the corpus, or `parts` left to its length).")
     bytes: int | None = Field(description="Size of the stored cartridge once trained.")
     error: DatablockError | None
-    parts: bool = Field(default=False, description="Trained in parts (the request's `parts`).")
+    parts: bool | None = Field(default=None, description="Trained in parts: the request's `parts`, or when it left "
+                               "them to the corpus' length, what the job decided (null until it starts).")
     part_tokens: int | None = Field(default=None, description="With `parts`, the most tokens of a part (the "
                                     "request's, or the default once the job has started).")
     imported_from: str | None = Field(
@@ -143,7 +146,7 @@ class DatablockObject(BaseModel):
             num_tokens=record.num_tokens or None,
             bytes=record.bytes,
             error=error,
-            parts=bool(config.get("parts")),
+            parts=config.get("parts", None if record.status == "queued" else False),
             part_tokens=config.get("part_tokens"),
             imported_from=config.get("imported_from"),
         )

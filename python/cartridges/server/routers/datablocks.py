@@ -62,12 +62,16 @@ async def train_datablock(
         if record.status == "error":
             raise APIError(400, f"File '{file_id}' could not be processed: {record.status_details}",
                            code="file_not_processed", param="training_files")
-    # num_tokens 0: left to the corpus, decided by the job once it has read the files (with
-    # parts: their sum, once the corpus is cut). The parts' settings travel in the stored config.
-    stored = config.to_dict() | ({"parts": True, "part_tokens": body.part_tokens} if body.parts else {})
+    # num_tokens 0: left to the corpus, decided by the job once it has read the files (in parts,
+    # or maybe in parts when not told: their sum, once the corpus is cut). The parts' settings
+    # travel in the stored config; without "parts" there, the job decides from the corpus' length.
+    in_parts = True if body.part_tokens is not None else body.parts
+    stored = config.to_dict() | ({} if in_parts is None else {"parts": in_parts}) | (
+        {"part_tokens": body.part_tokens} if in_parts else {})
     record = await run_in_threadpool(
         store.create_datablock, user.owner, project=body.name, model=model, model_path=_model_path(settings.model),
-        training_files=file_ids, config=json.dumps(stored), num_tokens=0 if body.parts else config.num_tokens or 0,
+        training_files=file_ids, config=json.dumps(stored),
+        num_tokens=config.num_tokens or 0 if in_parts is False else 0,
     )
     supervisor.wake()
     return DatablockObject.of(record)
