@@ -37,7 +37,9 @@ def small_memory_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir
 
 def train(server: LiveServer, key: str, file_id: str, num_tokens: int) -> str:
     with Client(server.url, key) as client:
-        block = client.datablocks.train([file_id], config={**TINY_TRAIN_CONFIG, "num_tokens": num_tokens})
+        # one cartridge of `num_tokens`, though the corpus holds more than four of the tiny model's contexts
+        block = client.datablocks.train([file_id], config={**TINY_TRAIN_CONFIG, "num_tokens": num_tokens},
+                                        parts=False)
         done = client.datablocks.wait(block["id"], timeout=120, poll_interval=0.2)
         assert done["status"] == "succeeded", done["error"]
         return done["id"]
