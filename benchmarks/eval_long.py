@@ -14,8 +14,10 @@ Conditions, scored on the same questions by the scorer of eval_cartridge.py (eva
   cartridge+retrieval  the cartridge in front and the retrieved chunks in the prompt
   parts                a cartridge per part of the corpus (`cartridges.parts`: runs of whole
                        sections of about two contexts at most, each after the corpus' opening),
-                       trained by the same config and composed by mixture, as `cartridges train
-                       --parts` makes them and a chat request on their file is answered
+                       trained by the same config and composed by mixture, as `cartridges train`
+                       makes them past four contexts and a chat request on their file is answered
+  parts-route          the same parts composed by route: the part the mixture weighs most before
+                       the reply decodes it alone (chat's `composition: "route"`)
 "recovered" = (condition - none) / (oracle - none) on log p(gold) per token: overall, per
 section and per question kind, next to the exact-answer rate (the gold in a greedy reply).
 A bar chart per document (one group of bars per section) goes to --plot-dir (docs/images for a
@@ -47,11 +49,12 @@ from evaluation import (Condition, Question, add_recovered, cached_result, check
                         suite_model, summary, truncated_document)
 
 DOCS_DIR = Path(__file__).resolve().parent / "eval_docs" / "long"
-ALL_DOCS = ("atlas", "chronicle", "rulebook", "almanac", "lighthouse", "university")
+ALL_DOCS = ("atlas", "chronicle", "rulebook", "almanac", "lighthouse", "university", "navigation")
 DEFAULT_TUNE = ("atlas", "chronicle")  # the other documents are held out from every tuning decision
 KINDS = ("literal", "numeric", "paraphrase", "yes_no", "multi_hop")
-CONDITIONS = ("none", "truncation", "retrieval", "oracle", "init", "cartridge", "cartridge+retrieval", "parts")
-DEFAULT_CONDITIONS = CONDITIONS[:-1]  # parts train a cartridge per part as well: asked for by name
+CONDITIONS = ("none", "truncation", "retrieval", "oracle", "init", "cartridge", "cartridge+retrieval", "parts",
+              "parts-route")
+DEFAULT_CONDITIONS = CONDITIONS[:-2]  # parts train a cartridge per part as well: asked for by name
 PLOTTED = ("none", "truncation", "retrieval", "oracle", "cartridge", "cartridge+retrieval", "parts")
 SECTION_HEADING = re.compile(r"^## (\d+)\. ", re.MULTILINE)
 
@@ -184,7 +187,7 @@ def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split
     }
     train_stats: dict[str, Any] = {}
     parts: dict[str, Any] = {}
-    if "parts" in args.conditions and not args.baselines_only:
+    if {"parts", "parts-route"} & set(args.conditions) and not args.baselines_only:
         texts = corpus_parts(model.tokenizer, doc.text, DEFAULT_PART_CONTEXTS * model.context_length)
         trained = [get_cartridge(model, f"{doc.name}-part{j}of{len(texts)}", text, requested, args.cartridge_dir)
                    for j, text in enumerate(texts, 1)]
@@ -193,9 +196,10 @@ def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split
                  "configs": [c.config for c, _ in trained],
                  **{stage: sum(s.get(stage) or 0 for _, s in trained) for stage in ("init_s", "synthesis_s", "training_s")},
                  "train_stats": [s for _, s in trained]}
-        runs["parts"] = lambda: evaluate(
-            model, questions, Condition(prefixes=tuple(c.prefix(model) for c, _ in trained), composition="mixture"),
-            args.max_reply)
+        for name, composition in (("parts", "mixture"), ("parts-route", "route")):
+            runs[name] = functools.partial(
+                evaluate, model, questions,
+                Condition(prefixes=tuple(c.prefix(model) for c, _ in trained), composition=composition), args.max_reply)
     if args.baselines_only:
         cart = initialization()
     elif not {"cartridge", "cartridge+retrieval"} & set(args.conditions):
@@ -364,7 +368,7 @@ def main() -> int:
     parser.add_argument("--max-questions", type=int, default=0, help="the first N questions per document (0: all)")
     parser.add_argument("--conditions", type=lambda v: [c.strip() for c in v.split(",")], default=list(DEFAULT_CONDITIONS),
                         metavar="A,B,...", help=f"the conditions to run, of {', '.join(CONDITIONS)} (default: all but "
-                        "parts; none and oracle always run)")
+                        "the parts'; none and oracle always run)")
     parser.add_argument("--plot-dir", type=Path, default=None,
                         help="where the bar charts go (default: docs/images for a run of the defaults with every "
                         "condition and question, or --from-json; CARTRIDGE_DIR/plots for any other run, so that it "
@@ -376,7 +380,7 @@ def main() -> int:
     unknown = set(args.conditions) - set(CONDITIONS)
     if unknown:
         parser.error(f"unknown conditions {sorted(unknown)}; choose from {', '.join(CONDITIONS)}")
-    trained = sorted({"cartridge", "cartridge+retrieval", "parts"} & set(args.conditions))
+    trained = sorted({"cartridge", "cartridge+retrieval", "parts", "parts-route"} & set(args.conditions))
     if args.baselines_only and set(args.conditions) != set(DEFAULT_CONDITIONS) and trained:
         parser.error(f"--baselines-only trains nothing, and {', '.join(trained)} need training: leave out one or the other")
 

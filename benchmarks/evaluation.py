@@ -109,7 +109,7 @@ class Condition:
     and/or cartridges (KV prefixes) in front."""
     system: str | None = None
     prefixes: tuple[Any, ...] = ()
-    composition: str = "mixture"  # of two or more cartridges, as the library and server default
+    composition: str = "mixture"  # of two or more cartridges, as the library and server default; or "route"
 
 
 def document_prompt(text: str) -> str:
@@ -188,11 +188,24 @@ def bayes_mixture(per_cartridge: torch.Tensor, weigh_from: int = 0) -> torch.Ten
     from token `weigh_from` on (uniform prior): what the engine samples from when it composes
     cartridges by mixture."""
     per_cartridge = per_cartridge.double()
-    counted = per_cartridge.clone()
-    counted[:, :max(weigh_from - 1, 0)] = 0  # rows that predict tokens before weigh_from
-    before = torch.cat([torch.zeros(per_cartridge.shape[0], 1, dtype=torch.float64),
-                        counted.cumsum(1)[:, :-1]], 1)
+    before = weights_before(per_cartridge, weigh_from)
     return torch.logsumexp(before + per_cartridge, 0) - torch.logsumexp(before, 0)
+
+
+def weights_before(per_cartridge: torch.Tensor, weigh_from: int = 0) -> torch.Tensor:
+    """[C, T] log-probabilities (row t predicts token t + 1) -> [C, T] each cartridge's
+    log-likelihood of the tokens before row t's, from token `weigh_from` on: the mixture's
+    unnormalized log-weights at each row."""
+    counted = per_cartridge.double().clone()
+    counted[:, :max(weigh_from - 1, 0)] = 0  # rows that predict tokens before weigh_from
+    return torch.cat([torch.zeros(per_cartridge.shape[0], 1, dtype=torch.float64), counted.cumsum(1)[:, :-1]], 1)
+
+
+def routed(per_cartridge: torch.Tensor, weigh_from: int, first: int) -> torch.Tensor:
+    """[C, T] -> [T]: the rows of the cartridge the mixture weighs most at row `first` (the one
+    that predicts the reply's first token), which then decodes alone: what the engine does when
+    it composes cartridges by route (the first of equal weights)."""
+    return per_cartridge[int(torch.argmax(weights_before(per_cartridge, weigh_from)[:, first]))]
 
 
 def answer_logliks(model, prompts: list[list[int]], answers: list[list[int]], prefixes: list[Any],
@@ -202,9 +215,11 @@ def answer_logliks(model, prompts: list[list[int]], answers: list[list[int]], pr
     out = []
     for prompt, answer in zip(prompts, answers):
         tokens, at = prompt + answer, slice(len(prompt) - 1, None)  # the positions that predict the answer
-        if composition == "mixture" and len(prefixes) > 1:
-            logp = bayes_mixture(torch.stack([token_logprobs(model, tokens, [p]) for p in prefixes]),
-                                 model.engine.template_opening(prompt))  # as the engine weighs
+        if composition in ("mixture", "route") and len(prefixes) > 1:
+            per_cartridge = torch.stack([token_logprobs(model, tokens, [p]) for p in prefixes])
+            opening = model.engine.template_opening(prompt)  # as the engine weighs
+            logp = (bayes_mixture(per_cartridge, opening) if composition == "mixture"
+                    else routed(per_cartridge, opening, at.start))
         else:
             logp = token_logprobs(model, tokens, prefixes)
         out.append(float(logp[at].sum()))

@@ -134,3 +134,31 @@ def test_baselines_only_with_a_trained_condition_asked_for_is_refused(eval_long,
     with pytest.raises(SystemExit) as stopped:
         eval_long.main()
     assert stopped.value.code == 2 and "parts need training" in capsys.readouterr().err
+
+
+def test_parts_route_is_scored_as_the_engine_routes(eval_long, model):
+    """The parts-route condition scores a reply under the part the mixture weighs most before
+    it (weighed from the template's opening on), which then decodes alone: the part the engine
+    routes to."""
+    import torch
+
+    evaluation = sys.modules["evaluation"]
+    rows = torch.tensor([[-9.0, -1.0, -1.0, -3.0], [-1.0, -2.0, -1.5, -0.5]])  # row t predicts token t + 1
+    assert torch.equal(evaluation.routed(rows, 0, 3), rows[1])  # before row 3: -11 against -4.5
+    assert torch.equal(evaluation.routed(rows, 2, 3), rows[0])  # from token 2 on: -2 against -3.5
+    texts = ["The harbour of Tessel closes at dusk in the winter months and opens at dawn.",
+             "The keeper of the Quelmor light is Ansel Varrow, who has kept it for thirty years."]
+    prefixes = [model.native.prefix_from_tokens(torch.tensor(model.tokenizer.encode(t))) for t in texts]
+    prompt = model.encode_chat([{"role": "user", "content": "Who keeps the Quelmor light?"}])
+
+    def reply(parts, composition="mixture"):
+        return model.generate([prompt], max_new_tokens=8, stop_token_ids=[], prefixes=parts,
+                              composition=composition, logprobs=1)[0]
+
+    routed_reply, light_alone = reply(prefixes, "route"), reply(prefixes[1:])
+    assert routed_reply.tokens == light_alone.tokens  # the engine routes to the light's text
+    assert [t.logprob for t in routed_reply.logprobs] == pytest.approx([t.logprob for t in light_alone.logprobs],
+                                                                       abs=1e-4)
+    [routed] = evaluation.answer_logliks(model, [prompt], [routed_reply.tokens], prefixes, "route")
+    harbour, light = (evaluation.answer_logliks(model, [prompt], [routed_reply.tokens], [p])[0] for p in prefixes)
+    assert routed == light and light > harbour  # the suite routes to it too
