@@ -16,6 +16,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cartridges.server.serving import loaded_cartridges
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 
@@ -86,12 +88,14 @@ class _StateCollector(Collector):
             yield GaugeMetricFamily("cartridges_cartridge_cache_bytes", "Bytes of loaded cartridges.", value=c.bytes)
             yield GaugeMetricFamily("cartridges_cartridge_cache_budget_bytes", "Cartridge memory budget.",
                                     value=c.budget_bytes)
-            yield GaugeMetricFamily("cartridges_cartridges_loaded", "Cartridges in memory.", value=c.entries)
+            yield GaugeMetricFamily("cartridges_cartridges_loaded", "Cartridges in memory (one in parts once).",
+                                    value=loaded_cartridges(engine))
             yield CounterMetricFamily("cartridges_cartridge_cache_hits", "Uses of a cartridge already loaded.",
                                       value=c.hits)
             yield CounterMetricFamily("cartridges_cartridge_cache_misses", "Uses that had to load it.", value=c.misses)
-            yield CounterMetricFamily("cartridges_cartridge_loads", "Cartridges loaded.", value=c.loads)
-            yield CounterMetricFamily("cartridges_cartridge_evictions", "Cartridges evicted for room.",
+            yield CounterMetricFamily("cartridges_cartridge_loads", "Cartridges loaded (each part of one in parts).",
+                                      value=c.loads)
+            yield CounterMetricFamily("cartridges_cartridge_evictions", "Cartridges evicted for room (each part of one in parts).",
                                       value=c.evictions)
         counts = job_counts(getattr(state, "store", None))
         jobs = GaugeMetricFamily("cartridges_training_jobs", "Training jobs (datablocks) by status.", labels=["status"])

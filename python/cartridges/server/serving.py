@@ -258,3 +258,8 @@ def cache_keys(record: Any) -> list[str]:
 def cached_cartridge_id(key: str) -> str:
     """The datablock id of an engine cache key."""
     return key.split(PART_KEY, 1)[0]
+
+
+def loaded_cartridges(engine: Any) -> int:
+    """How many cartridges the engine cache holds, a cartridge in parts once."""
+    return len({cached_cartridge_id(key) for key in engine.cartridges.ids()})

@@ -18,7 +18,7 @@ from cartridges.server.errors import APIError, error_responses
 from cartridges.server.metrics import CONTENT_TYPE, job_counts
 from cartridges.cores import cpu_cores
 from cartridges.store import core
-from cartridges.server.serving import CartridgeUnavailable, LoadedCartridge, Serving
+from cartridges.server.serving import CartridgeUnavailable, LoadedCartridge, Serving, loaded_cartridges
 
 router = APIRouter(tags=["models"], route_class=TextRoute)  # under /v1 and /api/v1
 root = APIRouter(route_class=TextRoute)  # at the root: /health, /preload, /metrics
@@ -127,7 +127,7 @@ def status(serving: ServingDep, supervisor: SupervisorDep, store: StoreDep) -> d
         "model": serving.model_id,
         "uptime_s": int(time.time() - serving.started_at),
         "cartridges": {
-            "loaded": stats.cartridges.entries if stats else 0,
+            "loaded": loaded_cartridges(engine) if engine is not None else 0,
             "bytes": stats.cartridges.bytes if stats else 0,
             "budget_bytes": serving.budget_bytes,
         },
