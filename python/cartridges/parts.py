@@ -4,10 +4,11 @@ composed by mixture when served.
 A cartridge per part of a corpus of five or six contexts can remember more of it than one for
 the whole: on the 53K-token chronicle four parts recover 0.66 of the oracle's gain against one
 cartridge's 0.61, on the held-out 44K-token university calendar three parts 0.57 and 0.61
-against 0.51 and 0.44 under two seeds, and on the held-out 41K-token lighthouse handbook
-0.58-0.60 against 0.58-0.63 under two seeds (no gain), for the parts' count times the KV and the
-same training time (docs/experiments.md, "Does a cartridge per part of a long corpus, composed
-by mixture, remember more of it?"). The parts are kept as one cartridge file
+against 0.51 and 0.44 under two seeds, on the held-out 41K-token lighthouse handbook 0.58-0.60
+against 0.58-0.63 under two seeds (no gain), and on the held-out 49K-token canal annals 0.54
+against 0.47, for the parts' count times the KV and the same training time
+(docs/experiments.md, "Does a cartridge per part of a long corpus, composed by mixture,
+remember more of it?" and "Should a corpus past four contexts train in parts by default?"). The parts are kept as one cartridge file
 (`cartridges.save_cartridges`); a chat on it is answered by the mixture of its parts, which puts
 its weight on the part the question is about; a question that joins two parts is answered from
 one of them. They are not to be concatenated: parts trained apart read as one cartridge recover
@@ -33,9 +34,10 @@ if TYPE_CHECKING:
 MIN_PART_TOKENS = 64
 DEFAULT_PART_CONTEXTS = 2  # parts of two contexts: where the defaults reach 0.70-0.73 on held-out corpora
 # The CLI and the server train a corpus of more than four contexts in parts unless told otherwise:
-# past five contexts parts recovered 0.61 of the oracle's gain on average over three documents
-# against one cartridge's 0.56 (docs/experiments.md); from two to four contexts nothing was
-# measured, and one cartridge stays.
+# past five contexts parts recovered 0.60 of the oracle's gain on average over four documents
+# against one cartridge's 0.54, ahead on three (docs/experiments.md, "Should a corpus past four
+# contexts train in parts by default?"); from two to four contexts nothing was measured, and one
+# cartridge stays.
 PARTS_PAST_CONTEXTS = 4
 HEADING = re.compile(r"(#{1,6}) ")  # a markdown heading starts a paragraph: the best place for a cut
 # What a cut prefers, best first: before a heading (of level 1, ..., 6), between paragraphs, between
