@@ -196,10 +196,10 @@ def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split
                  "configs": [c.config for c, _ in trained],
                  **{stage: sum(s.get(stage) or 0 for _, s in trained) for stage in ("init_s", "synthesis_s", "training_s")},
                  "train_stats": [s for _, s in trained]}
+        prefixes = tuple(c.prefix(model) for c, _ in trained)  # built once for both compositions
         for name, composition in (("parts", "mixture"), ("parts-route", "route")):
-            runs[name] = functools.partial(
-                evaluate, model, questions,
-                Condition(prefixes=tuple(c.prefix(model) for c, _ in trained), composition=composition), args.max_reply)
+            runs[name] = functools.partial(evaluate, model, questions,
+                                           Condition(prefixes=prefixes, composition=composition), args.max_reply)
     if args.baselines_only:
         cart = initialization()
     elif not {"cartridge", "cartridge+retrieval"} & set(args.conditions):

@@ -6,14 +6,14 @@ the whole: on the 53K-token chronicle four parts recover 0.66 of the oracle's ga
 cartridge's 0.61, on the held-out 44K-token university calendar three parts 0.57 and 0.61
 against 0.51 and 0.44 under two seeds, on the held-out 41K-token lighthouse handbook 0.58-0.60
 against 0.58-0.63 under two seeds (no gain), and on the held-out 49K-token canal annals 0.54
-against 0.47, for the parts' count times the KV and the same training time
-(docs/experiments.md, "Does a cartridge per part of a long corpus, composed by mixture,
-remember more of it?" and "Should a corpus past four contexts train in parts by default?"). The parts are kept as one cartridge file
-(`cartridges.save_cartridges`); a chat on it is answered by the mixture of its parts, which puts
-its weight on the part the question is about; a question that joins two parts is answered from
-one of them. They are not to be concatenated: parts trained apart read as one cartridge recover
-half as much. The CLI and the server train a corpus this way when it holds more than four of
-the model's contexts and the user did not say (`in_parts_by_default`).
+against 0.47, for the parts' count times the KV and the same training time (docs/experiments.md,
+"Does a cartridge per part of a long corpus, composed by mixture, remember more of it?" and
+"Should a corpus past four contexts train in parts by default?"). The parts are kept as one
+cartridge file (`cartridges.save_cartridges`); a chat on it is answered by the mixture of its
+parts, which puts its weight on the part the question is about; a question that joins two parts
+is answered from one of them. They are not to be concatenated: parts trained apart read as one
+cartridge recover half as much. The CLI and the server train a corpus this way when it holds
+more than four of the model's contexts and the user did not say (`in_parts_by_default`).
 """
 
 from __future__ import annotations

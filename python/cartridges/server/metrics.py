@@ -95,8 +95,8 @@ class _StateCollector(Collector):
             yield CounterMetricFamily("cartridges_cartridge_cache_misses", "Uses that had to load it.", value=c.misses)
             yield CounterMetricFamily("cartridges_cartridge_loads", "Cartridges loaded (each part of one in parts).",
                                       value=c.loads)
-            yield CounterMetricFamily("cartridges_cartridge_evictions", "Cartridges evicted for room (each part of one in parts).",
-                                      value=c.evictions)
+            yield CounterMetricFamily("cartridges_cartridge_evictions",
+                                      "Cartridges evicted for room (each part of one in parts).", value=c.evictions)
         counts = job_counts(getattr(state, "store", None))
         jobs = GaugeMetricFamily("cartridges_training_jobs", "Training jobs (datablocks) by status.", labels=["status"])
         for status in JOB_STATUSES:
