@@ -75,7 +75,7 @@ class Stream:
         self._events: collections.deque = collections.deque()
         self._condition = condition or threading.Condition()
         self._loop = loop
-        self._wakeup: asyncio.Event | None = asyncio.Event() if loop is not None else None
+        self._waiter: asyncio.Future | None = None  # what an async consumer waits on (`_arrival`)
 
     @property
     def finished(self) -> bool:
@@ -89,8 +89,9 @@ class Stream:
             self._condition.notify_all()
 
     def _wake(self) -> None:  # on the stream's event loop
-        if self._wakeup is not None:
-            self._wakeup.set()
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     # -- consumption -----------------------------------------------------------------------
 
@@ -124,6 +125,9 @@ class Stream:
     def _release(self, piece: str) -> str:
         """Adds decoded text; returns what can be shown now. A stop sequence ends the request
         there: the text before it is released, the rest never is."""
+        if not self._stop:  # nearly every request: nothing to hold back
+            self.text += piece
+            return piece
         self._held += piece
         hits = [i for i in (self._held.find(s) for s in self._stop) if i >= 0]
         if hits:
@@ -180,7 +184,7 @@ class Stream:
     async def batches(self) -> AsyncIterator[list[Delta]]:
         """The deltas as they arrive: one list per wake-up (a step's token, or several when the
         consumer fell behind), never empty. A server sends each list as one event."""
-        if self._wakeup is None:
+        if self._loop is None:
             raise RuntimeError("this stream was submitted outside an event loop; iterate it without `async`")
         try:
             while True:
@@ -189,13 +193,21 @@ class Stream:
                 if self.finished:
                     self._raise_on_error()
                     return
-                self._wakeup.clear()
-                with self._condition:
-                    pending = bool(self._events)
-                if not pending:
-                    await self._wakeup.wait()
+                if (arrival := self._arrival()) is not None:
+                    await arrival
         finally:
             self.close()
+
+    def _arrival(self) -> asyncio.Future | None:
+        """On the stream's loop: a future that the next delivery (or the stream's close) resolves,
+        or None when events are waiting already. A bare future rather than an asyncio.Event: one
+        is awaited per token of every streamed reply. A wake-up scheduled for events taken
+        since may resolve it early: the consumer then finds nothing and waits again."""
+        with self._condition:
+            if self._events:
+                return None
+        self._waiter = self._loop.create_future()
+        return self._waiter
 
     def result(self) -> Completion:
         """Waits for the end and returns the whole completion."""

@@ -3,6 +3,8 @@ tensors, its tokenizer and chat template, and the tokenizer's streaming decode."
 
 from __future__ import annotations
 
+import random
+
 import gguf
 import numpy as np
 import pytest
@@ -95,3 +97,10 @@ def test_stream_decoder_matches_decode(smollm):
     cut = tok.encode("ok 🎉")[:-1]
     stream = tok.stream_decoder()
     assert "".join(stream.feed(i) for i in cut) + stream.flush() == tok.decode(cut)
+    # Any ids at all (special tokens, bytes that are not UTF-8), with special tokens skipped or not.
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 24))]
+        for skip in (True, False):
+            stream = tok.stream_decoder(skip)
+            assert "".join(stream.feed(i) for i in ids) + stream.flush() == tok.decode(ids, skip), ids

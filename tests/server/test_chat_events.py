@@ -1,5 +1,6 @@
 """The server-sent events of a streamed chat, in process: an engine failure after the stream
-has started becomes an OpenAI-shaped error event (the HTTP status is already sent)."""
+has started becomes an OpenAI-shaped error event (the HTTP status is already sent); one
+text-only choice's own path writes what the general path writes, to the server's own send."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import pytest
 
 from cartridges.stream import Delta, GenerationError
-from cartridges.server.completions import Answer, EventStream, Plan, events
+from cartridges.server.completions import SERVER_SEND, Answer, EventStream, Plan, events
 
 
 class FailingStream:
@@ -65,10 +66,22 @@ class FakeAnswer:
 
 
 def collect_events(stream, answer: FakeAnswer) -> list[bytes]:
-    async def run() -> list[bytes]:
-        return [e async for e in events([stream], answer, False, asyncio.Event())]
+    """The events a streamed completion's response writes (ASGI 2.4: no disconnect listener)."""
+    bodies: list[bytes] = []
 
-    return asyncio.run(run())
+    async def run() -> None:
+        async def receive() -> dict:
+            await asyncio.Event().wait()
+
+        async def send(message: dict) -> None:
+            if message.get("body"):
+                bodies.append(message["body"])
+
+        response = EventStream([stream], answer, False, asyncio.Event(), on_end=lambda: None)
+        await response({"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST"}, receive, send)
+
+    asyncio.run(run())
+    return bodies
 
 
 # One text-only choice takes a path of its own (the per-token cost); logprobs take the general one.
@@ -96,6 +109,44 @@ def test_one_text_choice_streams_the_events_of_the_general_path() -> None:
     assert texts == [{"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo w"}, {}]
     assert out[-1] == b"data: [DONE]\n\n"
     assert direct.first_token_at is not None and general.first_token_at is not None
+
+
+def test_the_general_path_is_what_the_response_writes() -> None:
+    """`events`, which the response serves for several choices or log-probabilities, yields
+    what the response writes."""
+    async def run() -> list[bytes]:
+        return [e async for e in events([FinishingStream()], FakeAnswer(2), False, asyncio.Event())]
+
+    assert asyncio.run(run()) == collect_events(FinishingStream(), FakeAnswer(2))
+
+
+@pytest.mark.parametrize("top_logprobs", [None, 2])
+def test_events_go_to_the_servers_own_send_past_the_middlewares(top_logprobs: int | None) -> None:
+    """The app puts the server's `send` in the scope: the response's start goes through the
+    middlewares' `send` (they note its status), every body message straight to the server's."""
+    through_middlewares: list[str] = []
+    direct: list[bytes] = []
+
+    async def run() -> None:
+        async def receive() -> dict:
+            await asyncio.Event().wait()
+
+        async def send(message: dict) -> None:
+            through_middlewares.append(message["type"])
+
+        async def server_send(message: dict) -> None:
+            assert message["type"] == "http.response.body"
+            direct.append(message["body"])
+
+        response = EventStream([FinishingStream()], FakeAnswer(top_logprobs), False, asyncio.Event(),
+                               on_end=lambda: None)
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", SERVER_SEND: server_send}
+        await response(scope, receive, send)
+
+    asyncio.run(run())
+    assert through_middlewares == ["http.response.start"]
+    assert [b for b in direct if b] == collect_events(FinishingStream(), FakeAnswer(top_logprobs))
+    assert direct[-1] == b""  # the end of the body
 
 
 def respond(stream, start_send_waits: bool, client_gone: bool) -> tuple[list[str], list[int]]:

@@ -7,6 +7,7 @@ conversation becomes exactly the ids `apply_chat_template(..., tokenize=True)` g
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
@@ -16,6 +17,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+from tokenizers import decoders
 from tokenizers.decoders import DecodeStream
 
 Message = Mapping[str, Any]
@@ -45,6 +47,7 @@ class ChatTokenizer:
         self.unk_token = unk_token
         self.pad_token = pad_token
         self._compiled: jinja2.Template | None = None
+        self._token_bytes: dict[bool, list[bytes] | None] = {}  # by skip_special_tokens, built on first use
 
         ids = list(stop_token_ids)
         for token in (eos_token, *_END_OF_TURN_TOKENS):
@@ -130,7 +133,16 @@ class ChatTokenizer:
             return 0
         return common_prefix_len([prompt, opening])
 
-    def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
+    def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder | ByteStreamDecoder:
+        """An incremental detokenizer: its pieces join to `decode(ids)`. For a byte-level BPE
+        vocabulary (GPT-2's, SmolLM2's, Llama 3's) a table of each token's bytes and Python's
+        UTF-8 decoder; otherwise `tokenizers`' DecodeStream, several times slower per token
+        (the streamed chat's cost per token: benchmarks/README.md, "The HTTP layer's cost per step")."""
+        if skip_special_tokens not in self._token_bytes:
+            self._token_bytes[skip_special_tokens] = _byte_level_table(self.tokenizer, skip_special_tokens)
+        table = self._token_bytes[skip_special_tokens]
+        if table is not None:
+            return ByteStreamDecoder(table)
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
 
 
@@ -162,6 +174,51 @@ class StreamDecoder:
         text = self._tokenizer.decode(self._pending, self._skip_special_tokens) if self._pending else ""
         self._pending.clear()
         return text
+
+
+class ByteStreamDecoder:
+    """`StreamDecoder` for byte-level BPE: each token's bytes from a table, joined into text by
+    an incremental UTF-8 decoder (a character split across tokens waits for its last byte;
+    invalid bytes become U+FFFD, as `decode` makes them)."""
+
+    def __init__(self, table: list[bytes]) -> None:
+        self._table = table
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def feed(self, token_id: int) -> str:
+        """The text completed by this token ("" while a character is still incomplete)."""
+        token_id = int(token_id)
+        data = self._table[token_id] if 0 <= token_id < len(self._table) else b""
+        return self._utf8.decode(data)
+
+    def flush(self) -> str:
+        """Whatever is held back at the end of the stream (an incomplete character decodes
+        to U+FFFD, as in `decode`)."""
+        return self._utf8.decode(b"", final=True)
+
+
+def _byte_level_table(tokenizer: Tokenizer, skip_special_tokens: bool) -> list[bytes] | None:
+    """Each token id's bytes as a byte-level BPE decoder gives them (a token spells its bytes as
+    GPT-2's printable characters; a token with a character outside that table, as an added
+    token may be, is its text's UTF-8), special tokens empty when skipped; None when the
+    tokenizer's decoder is not byte-level alone."""
+    if not isinstance(tokenizer.decoder, decoders.ByteLevel):
+        return None
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    char_byte = {chr(b): b for b in printable}
+    for extra, b in enumerate(b for b in range(256) if b not in set(printable)):
+        char_byte[chr(256 + extra)] = b
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    table = []
+    for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        piece = tokenizer.id_to_token(token_id) or ""
+        if skip_special_tokens and token_id in special:
+            table.append(b"")
+        elif all(ch in char_byte for ch in piece):
+            table.append(bytes(char_byte[ch] for ch in piece))
+        else:
+            table.append(piece.encode("utf-8"))
+    return table
 
 
 def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:

@@ -12,11 +12,13 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
 
 from cartridges import __version__
 from cartridges.jobs import Supervisor
 from cartridges.server import keys
 from cartridges.server.body_limit import RequestBodyLimit
+from cartridges.server.completions import SERVER_SEND
 from cartridges.server.errors import install_error_handlers, strip_default_422
 from cartridges.server.extraction import Extractor
 from cartridges.server.metrics import Metrics, RequestCounter
@@ -41,6 +43,16 @@ OpenAI-compatible `/v1/chat/completions`: `model` is the cartridge's id (or the 
 Every endpoint but `/health`, `/v1/status` and `/metrics` needs `Authorization: Bearer <API key>`. Errors are OpenAI-shaped:
 `{"error": {"message", "type", "param", "code"}}`; act on `code`.
 Every resource answers under both `/api/v1` and `/v1`."""
+
+
+class ServerApp(FastAPI):
+    """The app, which puts the server's own `send` in each HTTP request's scope: a streamed
+    completion writes its events through it, past the middlewares (completions.EventStream)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -134,7 +146,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if app.state.store is not None:
                 app.state.store.close()
 
-    app = FastAPI(title="cartridges", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app = ServerApp(title="cartridges", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
     # Filled by the lifespan once the store opens (at start, or later when its services come back).
     app.state.store = app.state.serving = app.state.supervisor = app.state.extractor = None

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -320,7 +320,8 @@ async def collect(streams: list[Stream], answer: Answer, disconnected: asyncio.E
 async def events(streams: list[Stream], answer: Answer, include_usage: bool,
                  disconnected: asyncio.Event) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed completion, ending with `data: [DONE]` (served by
-    `EventStream`, which ends the request however the events end).
+    `EventStream`, which ends the request however the events end, and writes those of one
+    text-only choice itself: `EventStream.send_text_events`).
 
     As OpenAI streams `n` > 1: every chunk carries exactly one choice, its `index` saying which;
     a choice's first chunk brings the role, its last (a chunk of its own) the finish reason; the
@@ -342,24 +343,7 @@ async def events(streams: list[Stream], answer: Answer, include_usage: bool,
     try:
         for index in range(len(streams)):  # the retrieved passages, once, on the very first chunk
             yield one(index, {"role": "assistant", "content": ""}, extra=answer.retrieval() if index == 0 else None)
-        if len(streams) == 1 and answer.plan.top_logprobs is None:
-            # Nearly every request: one choice, text only. Its batches go out as they come, one
-            # generator fewer per event than the general path below (the HTTP layer's cost per
-            # token: benchmarks/README.md, "The HTTP layer's cost per step").
-            try:
-                async with contextlib.aclosing(streams[0].batches()) as batches:
-                    async for deltas in batches:
-                        if answer.first_token_at is None and any(d.token is not None for d in deltas):
-                            answer.first_token_at = time.monotonic()
-                        if text := "".join(delta.text for delta in deltas):
-                            yield answer.content_chunk(0, text, with_usage=include_usage)
-                yield one(0, {}, finish_reason=_finish_reason(streams[0]))
-            except Exception as error:  # noqa: BLE001 - sent to the client as an error event
-                yield _error_event(error)
-                return
-            remaining = 0
-        else:
-            remaining = len(streams)
+        remaining = len(streams)
         while remaining:
             batch = await anext(arrivals)
             merged: dict[int, dict[str, Any]] = {}
@@ -442,28 +426,99 @@ async def _arrivals(streams: list[Stream]) -> AsyncIterator[list[Arrival]]:
         await asyncio.gather(*pumps, return_exceptions=True)
 
 
+# The scope key under which the app (app.ServerApp) puts the server's own `send`, ahead of every
+# middleware, for the events of a streamed completion.
+SERVER_SEND = "cartridges.server_send"
+
+
 class EventStream(StreamingResponse):
     """A streamed completion's response: `events` over its streams. However the response ends,
     the streams are closed and `on_end` runs, once, here: Starlette cancels a response whose
     client is gone, and a cancellation that lands before the events' generator first runs (a
     send that waits, as one to a full socket does) skips the generator's own cleanup, which
-    would leave the engine generating for nobody."""
+    would leave the engine generating for nobody.
+
+    The response's start goes through the middlewares, which note its status; its events, one
+    or more per token, go straight to the server's `send` when the app put it in the scope: the
+    middlewares pass a body on untouched, and five wrappers' calls per event were a twentieth
+    of the HTTP layer's cost (benchmarks/README.md, "The HTTP layer's cost per step")."""
 
     media_type = "text/event-stream"
 
     def __init__(self, streams: list[Stream], answer: Answer, include_usage: bool, disconnected: asyncio.Event,
                  on_end: Callable[[], None], headers: dict[str, str] | None = None) -> None:
         self._streams = streams
+        self._answer, self._include_usage, self._disconnected = answer, include_usage, disconnected
         self._on_end = on_end
+        self._body_send: Send | None = None
         super().__init__(events(streams, answer, include_usage, disconnected), headers=headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._body_send = scope.get(SERVER_SEND)
         try:
             await super().__call__(scope, receive, send)
         finally:
             for stream in self._streams:
                 stream.close()
             self._on_end()
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        send_body = self._body_send or send
+
+        async def write(event: bytes) -> None:
+            await send_body({"type": "http.response.body", "body": event, "more_body": True})
+
+        if len(self._streams) == 1 and self._answer.plan.top_logprobs is None:
+            await self.send_text_events(write)
+        else:
+            async for event in self.body_iterator:
+                await write(event)
+        await send_body({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def send_text_events(self, write: Callable[[bytes], Awaitable[None]]) -> None:
+        """`events` of one text-only choice (nearly every request), written as its stream's
+        batches arrive: the same events, without the general path's generators and merging
+        between the stream and the socket (the HTTP layer's cost per token)."""
+        stream, answer, usage = self._streams[0], self._answer, self._include_usage
+
+        async def watch() -> None:
+            await self._disconnected.wait()
+            stream.close()
+
+        def one(delta: dict[str, Any], finish_reason: str | None = None, extra: dict[str, Any] | None = None) -> bytes:
+            return answer.chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+                                with_usage=usage, extra=extra)
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await write(one({"role": "assistant", "content": ""}, extra=answer.retrieval()))
+            async with contextlib.aclosing(stream.batches()) as batches:
+                while True:
+                    try:  # the stream's failures become an error event; the socket's are not caught
+                        deltas = await anext(batches)
+                    except StopAsyncIteration:
+                        break
+                    except Exception as error:  # noqa: BLE001 - sent to the client as an error event
+                        await write(_error_event(error))
+                        return
+                    if answer.first_token_at is None and any(d.token is not None for d in deltas):
+                        answer.first_token_at = time.monotonic()
+                    if text := "".join(delta.text for delta in deltas):
+                        await write(answer.content_chunk(0, text, with_usage=usage))
+            try:
+                finish = one({}, finish_reason=_finish_reason(stream))
+            except GenerationError as error:
+                await write(_error_event(error))
+                return
+            await write(finish)
+            if usage:
+                await write(answer.chunk([], answer.usage(self._streams), with_usage=True))
+            await write(sse_event("[DONE]"))
+        finally:
+            stream.close()
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
 
 
 def sse_event(data: str) -> bytes:
