@@ -307,6 +307,10 @@ class Engine:
         ...
     def cancel(self, id: typing.SupportsInt | typing.SupportsIndex) -> bool:
         ...
+    def events_fd(self) -> int:
+        """
+        A file descriptor readable when a step publishes events (read 8 bytes, then poll(0)); -1 without eventfd.
+        """
     def poll(self, timeout: datetime.timedelta) -> list[Event]:
         """
         Events of finished steps (waits up to timeout for the first).
@@ -324,6 +328,11 @@ class Engine:
     @property
     def cartridges(self) -> CartridgeCache:
         ...
+    @property
+    def drained(self) -> bool:
+        """
+        True once shut down and every event has been taken by poll().
+        """
     @property
     def num_threads(self) -> int:
         """

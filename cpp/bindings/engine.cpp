@@ -150,10 +150,15 @@ void bind_engine_class(py::module_& m) {
       .def("cancel", &Engine::cancel, py::arg("id"), py::call_guard<py::gil_scoped_release>())
       .def("poll", &Engine::poll, py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),
            "Events of finished steps (waits up to timeout for the first).")
+      .def("events_fd", &Engine::events_fd,
+           "A file descriptor readable when a step publishes events (read 8 bytes, then poll(0)); "
+           "-1 without eventfd.")
       .def("stats", &Engine::stats, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("cartridges", &Engine::cartridges, py::return_value_policy::reference_internal)
       .def_property_readonly("options", &Engine::options)
       .def_property_readonly("running", &Engine::running)
+      .def_property_readonly("drained", &Engine::drained,
+                             "True once shut down and every event has been taken by poll().")
       .def_property("num_threads", &Engine::num_threads, &Engine::set_num_threads,
                     "Intra-op threads of the compute thread; a new value applies from the next step.")
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());

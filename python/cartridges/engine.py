@@ -9,7 +9,9 @@
 The C++ engine computes on its own thread (continuous batching: requests join and leave at
 any step). One dispatcher thread here takes each step's events with one GIL acquisition and
 hands them to the streams; asyncio streams are woken with one `call_soon_threadsafe` per
-event loop and step. Closing a stream (or leaving its loop early) cancels the request.
+event loop and step. A server whose streams live on one event loop has that loop take the
+events itself instead (`deliver_on`): one wake-up a step fewer. Closing a stream (or leaving
+its loop early) cancels the request.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import operator
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -43,6 +46,7 @@ DEFAULT_SAMPLING = core.SamplingParams()
 COMPOSITIONS = {"mixture": core.Composition.MIXTURE, "route": core.Composition.ROUTE,
                 "concatenate": core.Composition.CONCATENATE}
 _POLL = timedelta(milliseconds=200)
+_NO_WAIT = timedelta(0)
 # Openings (template and system prompt) cached as prefixes: at least this many tokens to be
 # worth a prefix, at most this many, and at most this many tokens kept in all (the least
 # recently used dropped first; 4,096 tokens of the default model's KV are 188 MB).
@@ -77,6 +81,8 @@ class Engine:
         self._openings: OrderedDict[tuple[int, ...], core.KVPrefix] | None = OrderedDict() if cache_openings else None
         self._openings_lock = threading.Lock()
         self._lock = threading.Lock()
+        self._poll_lock = threading.Lock()  # held by whoever takes events and hands them out, in order
+        self._events_loop: asyncio.AbstractEventLoop | None = None  # see deliver_on()
         self._dispatcher = threading.Thread(target=self._dispatch, name="cartridges-engine-events", daemon=True)
         self._dispatcher.start()
         _ENGINES.add(self)
@@ -232,30 +238,67 @@ class Engine:
         with self._lock:
             self._streams.pop(request_id, None)
 
+    def deliver_on(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Has `loop` take the engine's events itself, as a reader of the engine's events file
+        descriptor, instead of the dispatcher thread: a step's events reach that loop's streams
+        without a second thread's wake-up and hop (0.14-0.18 ms of CPU a step at one client;
+        benchmarks/README.md, "The HTTP layer's cost per step").
+        For a server, whose streams all live on one loop; streams of other loops and threads are
+        still served. Callable from any thread; False (the thread stays) without an eventfd."""
+        fd = self.native.events_fd()
+        if fd < 0 or self._events_loop is not None:
+            return False
+        self._events_loop = loop  # the dispatcher thread ends after the events it holds
+        loop.call_soon_threadsafe(loop.add_reader, fd, self._take_events_on_loop, fd)
+        return True
+
+    def _take_events_on_loop(self, fd: int) -> None:
+        try:
+            os.read(fd, 8)  # the eventfd's counter back to 0: readable again at the next step
+        except BlockingIOError:
+            pass
+        with self._poll_lock:
+            events = self.native.poll(_NO_WAIT)
+            if events:
+                self._hand_out(events, here=self._events_loop)
+        if self.native.drained:  # shut down, and its last events are out
+            self._events_loop.remove_reader(fd)
+
     def _dispatch(self) -> None:
         while True:
-            events = self.native.poll(_POLL)
-            if not events:
-                if not self.native.running:
-                    return
+            with self._poll_lock:
+                if self._events_loop is not None:
+                    return  # the loop takes the events from here on
+                events = self.native.poll(_POLL)
+                if events:
+                    self._hand_out(events)
+            if not events and not self.native.running:
+                return
+
+    def _hand_out(self, events: list, here: asyncio.AbstractEventLoop | None = None) -> None:
+        """Delivers a poll's events to their streams, and wakes their consumers: those of loop
+        `here` (the caller runs on it) at once, those of other loops with one
+        `call_soon_threadsafe` each."""
+        by_stream: dict[int, list] = {}
+        for e in events:
+            by_stream.setdefault(e.request, []).append(e)
+        loops: dict[asyncio.AbstractEventLoop, list[Stream]] = {}
+        with self._lock:
+            streams = [(self._streams.get(i), evs) for i, evs in by_stream.items()]
+        for stream, evs in streams:
+            if stream is None:
+                continue  # closed by its consumer
+            stream._deliver(evs)
+            if stream._loop is not None:
+                loops.setdefault(stream._loop, []).append(stream)
+        for loop, woken in loops.items():
+            if loop is here:
+                _wake_all(woken)
                 continue
-            by_stream: dict[int, list] = {}
-            for e in events:
-                by_stream.setdefault(e.request, []).append(e)
-            loops: dict[asyncio.AbstractEventLoop, list[Stream]] = {}
-            with self._lock:
-                streams = [(self._streams.get(i), evs) for i, evs in by_stream.items()]
-            for stream, evs in streams:
-                if stream is None:
-                    continue  # closed by its consumer
-                stream._deliver(evs)
-                if stream._loop is not None:
-                    loops.setdefault(stream._loop, []).append(stream)
-            for loop, woken in loops.items():
-                try:
-                    loop.call_soon_threadsafe(_wake_all, woken)
-                except RuntimeError:
-                    pass  # that loop is closed: nobody is waiting any more
+            try:
+                loop.call_soon_threadsafe(_wake_all, woken)
+            except RuntimeError:
+                pass  # that loop is closed: nobody is waiting any more
 
 
 def as_prefix(model: Any, item: Any) -> core.KVPrefix:

@@ -52,6 +52,56 @@ def test_async_streams_run_concurrently_and_match_alone(model, engine):
     assert all(reason == "length" for _, reason in results)
 
 
+def test_a_loop_that_takes_the_events_itself_serves_every_stream(model):
+    """`deliver_on`: the loop reads the engine's events file descriptor and hands the events out
+    itself; the dispatcher thread ends. Its own streams, a blocking stream of another thread
+    and a stream of another loop all get what they get from the dispatcher, in order; once the
+    engine is shut down the loop stops reading."""
+    import threading
+
+    engine = Engine(model, kv_tokens=4096, prefill_tokens_per_step=32)
+    prompts = [[1 + i, 2, 3 + i] * (i + 1) for i in range(4)]
+    alone = [model.generate([p], max_new_tokens=10, stop_token_ids=[])[0].tokens for p in prompts]
+    fd = engine.native.events_fd()
+    assert fd >= 0
+
+    def on_another_loop(prompt, out):
+        async def run():
+            out.append([d.token async for d in engine.submit(prompt, max_new_tokens=10, stop_token_ids=[])])
+        asyncio.run(run())
+
+    async def main():
+        assert engine.deliver_on(asyncio.get_running_loop())
+        assert not engine.deliver_on(asyncio.get_running_loop())  # once
+        blocking, other_loop = [], []
+        threads = [threading.Thread(target=lambda: blocking.append(
+                       [d.token for d in engine.submit(prompts[2], max_new_tokens=10, stop_token_ids=[])])),
+                   threading.Thread(target=on_another_loop, args=(prompts[3], other_loop))]
+        for thread in threads:
+            thread.start()
+
+        async def consume(prompt):
+            return [d.token async for d in engine.submit(prompt, max_new_tokens=10, stop_token_ids=[])]
+
+        own = await asyncio.gather(*(consume(p) for p in prompts[:2]))
+        while any(thread.is_alive() for thread in threads):
+            await asyncio.sleep(0.01)  # the blocking stream's events come from this loop
+        engine._dispatcher.join(timeout=5)
+        dispatcher_ended = not engine._dispatcher.is_alive()
+        engine.close()
+        for _ in range(200):  # the shutdown's last events reach the reader, which then leaves
+            await asyncio.sleep(0.01)
+            if engine.native.drained:
+                break
+        await asyncio.sleep(0.05)
+        reader_left = not asyncio.get_running_loop().remove_reader(fd)
+        return own, blocking, other_loop, dispatcher_ended and reader_left
+
+    own, blocking, other_loop, dispatcher_ended = asyncio.run(main())
+    assert own == alone[:2] and blocking == [alone[2]] and other_loop == [alone[3]]
+    assert dispatcher_ended
+
+
 def test_leaving_an_async_stream_cancels_the_request(engine):
     async def main():
         stream = engine.submit([9, 9, 9], max_new_tokens=400, stop_token_ids=[])

@@ -110,6 +110,13 @@ class Engine {
   // Events of finished steps, in order; waits up to `timeout` for the first one. Empty after
   // shutdown once everything has been delivered.
   std::vector<Event> poll(std::chrono::milliseconds timeout);
+  // A file descriptor that turns readable when a step publishes events (and at shutdown), for
+  // an event loop that polls the engine itself instead of a thread that waits in poll(): read
+  // it (8 bytes) before poll(0). Made on first call, closed with the engine; -1 where the
+  // platform has no eventfd.
+  int events_fd();
+  // True once shut down and every event has been taken by poll().
+  bool drained() const;
   EngineStats stats() const;
   // Intra-op threads of the compute thread from its next step on (at least 1): a server
   // gives cores to training jobs while they run and takes them back after.

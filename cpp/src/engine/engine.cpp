@@ -16,6 +16,10 @@
 
 #ifdef __linux__
 #include <pthread.h>
+#include <unistd.h>
+#ifdef __linux__
+#include <sys/eventfd.h>
+#endif
 #endif
 
 #include "cartridges/compute.h"
@@ -92,7 +96,10 @@ class EngineImpl {
     thread_ = std::thread([this] { run(); });
   }
 
-  ~EngineImpl() { shutdown(); }
+  ~EngineImpl() {
+    shutdown();
+    if (events_fd_ >= 0) close(events_fd_);
+  }
 
   std::vector<int64_t> submit_all(std::vector<Request> requests) {
     std::vector<Sampler> samplers;
@@ -169,6 +176,22 @@ class EngineImpl {
     cancels_.insert(id);
     work_.notify_one();
     return true;
+  }
+
+  int events_fd() {
+    std::lock_guard<std::mutex> lock(events_mutex_);
+#ifdef __linux__
+    if (events_fd_ < 0) {
+      events_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+      if (!events_.empty() || drained_) signal_events_fd();  // what is waiting already
+    }
+#endif
+    return events_fd_;
+  }
+
+  bool drained() const {
+    std::lock_guard<std::mutex> lock(events_mutex_);
+    return drained_ && events_.empty();
   }
 
   std::vector<Event> poll(std::chrono::milliseconds timeout) {
@@ -506,9 +529,17 @@ class EngineImpl {
       std::lock_guard<std::mutex> lock(events_mutex_);
       events_.insert(events_.end(), std::make_move_iterator(events.begin()), std::make_move_iterator(events.end()));
       if (last) drained_ = true;
+      signal_events_fd();
     }
     events.clear();
     events_ready_.notify_all();
+  }
+
+  // Makes events_fd_ readable (under events_mutex_); a full counter is readable already.
+  void signal_events_fd() {
+    if (events_fd_ < 0) return;
+    uint64_t one = 1;
+    [[maybe_unused]] ssize_t written = write(events_fd_, &one, sizeof(one));
   }
 
   std::shared_ptr<const LlamaModel> model_;
@@ -527,10 +558,11 @@ class EngineImpl {
   std::unique_ptr<FixedDecode> fixed_decode_;  // null: every step takes forward_packed
   CartridgeCache cartridges_;
 
-  std::mutex events_mutex_;
+  mutable std::mutex events_mutex_;
   std::condition_variable events_ready_;
   std::vector<Event> events_;
   bool drained_ = false;
+  int events_fd_ = -1;  // see Engine::events_fd
 
   std::atomic<int> requested_threads_;
   std::thread thread_;
@@ -545,6 +577,8 @@ std::vector<int64_t> Engine::submit_all(std::vector<Request> requests) {
 }
 bool Engine::cancel(int64_t id) { return impl_->cancel(id); }
 std::vector<Event> Engine::poll(std::chrono::milliseconds timeout) { return impl_->poll(timeout); }
+int Engine::events_fd() { return impl_->events_fd(); }
+bool Engine::drained() const { return impl_->drained(); }
 EngineStats Engine::stats() const { return impl_->stats(); }
 void Engine::set_num_threads(int threads) { impl_->set_num_threads(threads); }
 int Engine::num_threads() const { return impl_->num_threads(); }

@@ -9,6 +9,8 @@ caller reaches only its own cartridges and a deleted one is never served.
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import logging
 import threading
@@ -67,6 +69,9 @@ class Serving:
     # -- model and engine ------------------------------------------------------------------
 
     def start(self) -> None:
+        """Starts loading the model. Call on the server's event loop: its engine hands its
+        events to that loop directly (`Engine.deliver_on`)."""
+        self._loop = asyncio.get_running_loop()
         self._thread.start()
 
     def _load_model(self) -> None:
@@ -81,6 +86,7 @@ class Serving:
                 cartridge_cache_bytes=self.budget_bytes,
                 num_threads=self.serve_threads(),
             )
+            self.engine.deliver_on(self._loop)
             self.model = model
             log.info("model %s ready on %s in %.1f s", self.model_id, self.device, time.monotonic() - started)
         except Exception as error:  # the server keeps answering (files, datablocks) and says why
