@@ -8,6 +8,11 @@
 #include <set>
 #include <thread>
 
+#ifdef __linux__
+#include <poll.h>
+#include <unistd.h>
+#endif
+
 #include "cartridges/engine.h"
 #include "cartridges/model.h"
 #include "tiny_model.h"
@@ -257,6 +262,40 @@ TEST_F(EngineTest, TypedErrors) {
   engine.shutdown();
   EXPECT_THROW(engine.submit(greedy(random_tokens(2), 4)), EngineStoppedError);
 }
+
+#ifdef __linux__
+// The events file descriptor turns readable when a step publishes and at shutdown; poll(0)
+// then takes the events without waiting, and drained() says when the last are out.
+TEST_F(EngineTest, EventsFdSignalsPublishedEventsAndTheShutdown) {
+  Engine engine(model);
+  int fd = engine.events_fd();
+  ASSERT_GE(fd, 0);
+  EXPECT_EQ(engine.events_fd(), fd);  // one descriptor per engine
+  auto readable = [&](int timeout_ms) {
+    pollfd p{fd, POLLIN, 0};
+    return ::poll(&p, 1, timeout_ms) == 1 && (p.revents & POLLIN);
+  };
+  auto reset = [&] {
+    uint64_t count = 0;
+    return ::read(fd, &count, sizeof(count)) == sizeof(count) && count > 0;
+  };
+  EXPECT_FALSE(readable(0));
+  int64_t id = engine.submit(greedy(random_tokens(6), 3));
+  std::vector<Event> seen;
+  while (seen.empty() || seen.back().kind != Event::Kind::kFinished) {
+    ASSERT_TRUE(readable(5000));
+    ASSERT_TRUE(reset());
+    for (auto& e : engine.poll(std::chrono::milliseconds(0))) seen.push_back(e);
+  }
+  EXPECT_EQ(seen.size(), 4u);  // three tokens, then the end
+  EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [&](const Event& e) { return e.request == id; }));
+  EXPECT_FALSE(engine.drained());
+  engine.shutdown();
+  ASSERT_TRUE(readable(5000));  // the shutdown's last publish
+  engine.poll(std::chrono::milliseconds(0));
+  EXPECT_TRUE(engine.drained());
+}
+#endif
 
 TEST_F(EngineTest, ThreadCountChangesBetweenStepsWithoutDisturbingRequests) {
   EngineOptions options;
