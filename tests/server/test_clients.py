@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import openai
@@ -113,6 +114,20 @@ def test_langchain_chat_openai(chat_server: LiveServer, user: dict) -> None:
 # -- LiteLLM -----------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def closes_litellms_loop():
+    """LiteLLM's blocking calls make an event loop the thread's current one and never close it;
+    the next `asyncio.run` replaced it, and its self-pipe, collected unclosed, failed whichever
+    test ran then ("unclosed <socket.socket ... family=1>"). Closed here once the test is done."""
+    yield
+    policy = asyncio.get_event_loop_policy()
+    loop = policy.get_event_loop()
+    if not loop.is_running():
+        loop.close()
+        policy.set_event_loop(None)
+
+
+@pytest.mark.usefixtures("closes_litellms_loop")
 def test_litellm(chat_server: LiveServer, user: dict) -> None:
     import litellm
 
