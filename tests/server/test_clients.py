@@ -121,7 +121,10 @@ def closes_litellms_loop():
     test ran then ("unclosed <socket.socket ... family=1>"). Closed here once the test is done."""
     yield
     policy = asyncio.get_event_loop_policy()
-    loop = policy.get_event_loop()
+    try:
+        loop = policy.get_event_loop()
+    except RuntimeError:  # none is current (LiteLLM used one made before)
+        return
     if not loop.is_running():
         loop.close()
         policy.set_event_loop(None)
