@@ -9,7 +9,9 @@ import json
 
 import pytest
 
+from cartridges.models.tokenizer import ChatTokenizer
 from cartridges.stream import Delta, GenerationError
+from model_files import make_tiny_tokenizer
 from cartridges.server.completions import SERVER_SEND, Answer, EventStream, Plan, events
 
 
@@ -194,21 +196,13 @@ def test_a_streamed_response_ends_its_streams_once_however_it_ends() -> None:
     assert stream.closed and ended == [1]
 
 
-class TinyChatTokenizer:
-    eos_token_ids = [0]
-
-    def __init__(self) -> None:
-        from model_files import make_tiny_tokenizer
-        self.tokenizer = make_tiny_tokenizer()
-
-
 @pytest.mark.parametrize("model", ["base-model", "cart_\u00e9t\u00e9 \"quoted\""])
 def test_a_content_chunk_is_the_general_chunk_byte_for_byte(model: str) -> None:
     """Stream events of text alone come from a template (the per-token path); they must be
     exactly what the general chunk writes."""
     plan = Plan(prompt=[1, 2], prefixes=[], composition="mixture", weigh_from=0, cartridge_tokens=0,
                 max_new_tokens=4, stop=[], top_logprobs=None, seeds=[-1])
-    serving = type("Serving", (), {"model": type("Model", (), {"tokenizer": TinyChatTokenizer()})()})()
+    serving = type("Serving", (), {"model": type("Model", (), {"tokenizer": ChatTokenizer(make_tiny_tokenizer(), None)})()})()
     answer = Answer(serving, plan, model, started=0.0)
     for text in ["Hello", " world", "", 'a "quote", a \\ and a\nnew line', "caf\u00e9 \u2603 \U0001f600", "</script>"]:
         for index in (0, 3):

@@ -14,12 +14,10 @@
 #include <set>
 #include <thread>
 
-#ifdef __linux__
-#include <pthread.h>
 #include <unistd.h>
 #ifdef __linux__
+#include <pthread.h>
 #include <sys/eventfd.h>
-#endif
 #endif
 
 #include "cartridges/compute.h"

@@ -138,12 +138,17 @@ class ChatTokenizer:
         vocabulary (GPT-2's, SmolLM2's, Llama 3's) a table of each token's bytes and Python's
         UTF-8 decoder; otherwise `tokenizers`' DecodeStream, several times slower per token
         (the streamed chat's cost per token: benchmarks/README.md, "The HTTP layer's cost per step")."""
-        if skip_special_tokens not in self._token_bytes:
-            self._token_bytes[skip_special_tokens] = _byte_level_table(self.tokenizer, skip_special_tokens)
-        table = self._token_bytes[skip_special_tokens]
+        table = self.byte_table(skip_special_tokens)
         if table is not None:
             return ByteStreamDecoder(table)
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+    def byte_table(self, skip_special_tokens: bool = True) -> list[bytes] | None:
+        """Each token id's bytes as `decode` gives them, for a byte-level BPE vocabulary (built
+        once); None for any other."""
+        if skip_special_tokens not in self._token_bytes:
+            self._token_bytes[skip_special_tokens] = _byte_level_table(self.tokenizer, skip_special_tokens)
+        return self._token_bytes[skip_special_tokens]
 
 
 class StreamDecoder:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import time
@@ -267,21 +266,14 @@ def _finish_reason(stream: Stream) -> str:
     return "length" if stream.finish_reason == "length" else "stop"
 
 
-@functools.lru_cache(maxsize=4)  # one per model: built once, not per request
 def _byte_decoder(tokenizer: Any) -> Callable[[int], bytes]:
-    """A token's bytes. Byte-level BPE vocabularies spell bytes as printable characters
-    (GPT-2's table); special tokens and other vocabularies are decoded as text."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    table = {chr(b): b for b in printable}
-    for extra, b in enumerate(b for b in range(256) if b not in set(printable)):
-        table[chr(256 + extra)] = b
-    inner = tokenizer.tokenizer
-    special = set(inner.get_added_tokens_decoder())
+    """A token's bytes, special tokens included: from the tokenizer's byte table for a
+    byte-level BPE vocabulary, otherwise the token decoded as text."""
+    table = tokenizer.byte_table(skip_special_tokens=False)
 
     def token_bytes(token: int) -> bytes:
-        piece = inner.id_to_token(int(token)) or ""
-        if piece and token not in special and all(ch in table for ch in piece):
-            return bytes(table[ch] for ch in piece)
+        if table is not None and 0 <= token < len(table):
+            return table[token]
         return tokenizer.decode([int(token)], skip_special_tokens=False).encode("utf-8")
 
     return token_bytes

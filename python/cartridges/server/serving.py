@@ -10,7 +10,6 @@ caller reaches only its own cartridges and a deleted one is never served.
 from __future__ import annotations
 
 import asyncio
-
 import json
 import logging
 import threading
