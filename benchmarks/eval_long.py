@@ -188,7 +188,7 @@ def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split
     train_stats: dict[str, Any] = {}
     parts: dict[str, Any] = {}
     if {"parts", "parts-route"} & set(args.conditions) and not args.baselines_only:
-        texts = corpus_parts(model.tokenizer, doc.text, DEFAULT_PART_CONTEXTS * model.context_length)
+        texts = corpus_parts(model.tokenizer, doc.text, args.part_tokens or DEFAULT_PART_CONTEXTS * model.context_length)
         trained = [get_cartridge(model, f"{doc.name}-part{j}of{len(texts)}", text, requested, args.cartridge_dir)
                    for j, text in enumerate(texts, 1)]
         parts = {"tokens": [len(Corpus.from_texts(model.tokenizer, [t])) for t in texts],
@@ -369,6 +369,9 @@ def main() -> int:
     parser.add_argument("--conditions", type=lambda v: [c.strip() for c in v.split(",")], default=list(DEFAULT_CONDITIONS),
                         metavar="A,B,...", help=f"the conditions to run, of {', '.join(CONDITIONS)} (default: all but "
                         "the parts'; none and oracle always run)")
+    parser.add_argument("--part-tokens", type=int, default=0, metavar="N",
+                        help="the parts' conditions cut the corpus into parts of at most N tokens (default: "
+                        f"{DEFAULT_PART_CONTEXTS} of the model's contexts, as `cartridges train` does)")
     parser.add_argument("--plot-dir", type=Path, default=None,
                         help="where the bar charts go (default: docs/images for a run of the defaults with every "
                         "condition and question, or --from-json; CARTRIDGE_DIR/plots for any other run, so that it "

@@ -133,6 +133,30 @@ TEST(Scheduler, EverySequenceOfARequestCountsAgainstRunningAndPrefill) {
   EXPECT_EQ(s.running_rows(), 2);
 }
 
+TEST(Scheduler, ARoutedRequestKeepsItsChosenSequenceAndGivesTheOthersBack) {
+  for (int64_t row : {0, 1, 2}) {
+    Scheduler s(small(/*kv=*/100, /*running=*/8, /*prefill=*/64));
+    s.enqueue(1, Priority::kInteractive, 10, 90, /*rows=*/3);  // 30 slots a sequence, in [0, 90)
+    s.enqueue(2, Priority::kInteractive, 10, 60);              // waits: 10 slots free
+    s.plan();
+    s.prefilled(1, 10);
+    ASSERT_FALSE(s.is_running(2));
+    s.route(1, row);
+    EXPECT_EQ(s.find(1)->kv_offset, 30 * row);  // its sequence's slots, where they were: nothing moves
+    EXPECT_EQ(s.find(1)->reserve, 30);
+    EXPECT_EQ(s.find(1)->rows, 1);
+    EXPECT_EQ(s.running_rows(), 1);
+    EXPECT_EQ(s.kv_used(), 30);
+    auto p = s.plan();  // the freed slots take the waiting request (packed, when row 1 splits them)
+    EXPECT_TRUE(s.is_running(2));
+    EXPECT_EQ(s.kv_used(), 90);
+    EXPECT_EQ(p.moves.size(), row == 1 ? 1u : 0u);
+    EXPECT_TRUE(s.finish(1) && s.finish(2));
+    EXPECT_EQ(s.kv_used(), 0);  // each range given back once, whole
+    EXPECT_EQ(s.plan().moves.size(), 0u);
+  }
+}
+
 TEST(Scheduler, InteractiveGoesBeforeBackground) {
   Scheduler s(small(/*kv=*/20, 8, /*prefill=*/4));
   s.enqueue(1, Priority::kBackground, 4, 10);

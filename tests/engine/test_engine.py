@@ -277,6 +277,29 @@ def test_routed_requests_get_what_they_get_alone_across_a_pool_compaction(model,
     requests_across_a_compaction(model, seed, composition="route")
 
 
+def test_a_routed_request_gives_back_its_other_cartridges_kv_at_once(model):
+    """A routed request reserves a sequence per cartridge while its prompt is read, then keeps
+    its chosen one's KV alone: a request that fits only in the slots given back starts then,
+    beside it, not after it."""
+    g = torch.Generator().manual_seed(4)
+    kv = [model.native.prefix_from_tokens(torch.randint(VOCAB, (n,), generator=g)) for n in (8, 11, 5)]
+    routed_prompt, other_prompt = (torch.randint(VOCAB, (n,), generator=g).tolist() for n in (20, 10))
+    # The routed request holds 3 x 420 of 1,300 slots while its prompt is read; the other needs 310.
+    engine = Engine(model, kv_tokens=1300, cache_openings=False)
+    try:
+        kwargs = dict(stop_token_ids=[])
+        routed = engine.submit(routed_prompt, prefixes=kv, composition="route", max_new_tokens=400, **kwargs)
+        other = engine.submit(other_prompt, max_new_tokens=300, **kwargs)
+        routed_tokens, other_tokens = [d.token for d in routed], [d.token for d in other]
+        assert engine.stats().steps < 400 + 300  # the two decoded side by side
+        assert engine.stats().kv_tokens_used == 0
+    finally:
+        engine.close()
+    assert other_tokens == model.generate([other_prompt], max_new_tokens=300, **kwargs)[0].tokens
+    assert routed_tokens == model.generate([routed_prompt], prefixes=kv, composition="route", max_new_tokens=400,
+                                           **kwargs)[0].tokens
+
+
 def test_a_mixture_weighs_its_cartridges_from_weigh_from(model, engine):
     """Prompt tokens before weigh_from (the chat template's opening, a system prompt) add
     nothing to the weights; the output always does."""

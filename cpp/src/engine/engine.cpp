@@ -70,9 +70,6 @@ struct Live {
   int64_t branches = 1;
   int64_t slots = 0;
   std::vector<double> log_weights;
-  // The first sequence still computed: a routed request, once its prompt is read, goes on as
-  // the one sequence of the cartridge it chose (branches 1).
-  int64_t first_branch = 0;
 };
 
 class EngineImpl {
@@ -302,7 +299,7 @@ class EngineImpl {
       const Live& live = *lives_.at(move.id);
       const int64_t filled =
           scheduler_.find(move.id)->prefilled + std::max<int64_t>(0, static_cast<int64_t>(live.generated.size()) - 1);
-      for (int64_t b = live.first_branch; b < live.first_branch + live.branches && filled > 0; ++b) {
+      for (int64_t b = 0; b < live.branches && filled > 0; ++b) {
         runs.push_back({move.from + b * live.slots, move.to + b * live.slots, filled});
       }
     }
@@ -344,7 +341,7 @@ class EngineImpl {
         const Scheduled* s = scheduler_.find(id);
         const auto& prompt = live->request.prompt;
         const bool own_cartridge = is_mixture(live->request);  // each sequence reads one cartridge
-        for (int64_t b = live->first_branch; b < live->first_branch + live->branches; ++b) {
+        for (int64_t b = 0; b < live->branches; ++b) {
           PackedSequence seq;
           seq.kv_offset = s->kv_offset + b * live->slots;
           seq.prefixes = own_cartridge ? PrefixList{live->request.prefixes[b]} : live->request.prefixes;
@@ -451,11 +448,12 @@ class EngineImpl {
     if (!samples) return;
     const auto last = logprobs.select(1, part.rows - 1);  // [n, vocab]
     if (live.request.composition == Composition::kRoute) {
-      // The prompt is read: the heaviest cartridge alone decodes the reply.
+      // The prompt is read: the heaviest cartridge alone decodes the reply, a request of one
+      // cartridge from now on, in its sequence's KV slots (the others' go back to the pool).
       const auto chosen = std::max_element(live.log_weights.begin(), live.log_weights.end()) - live.log_weights.begin();
-      live.first_branch = chosen;
+      live.request.prefixes = PrefixList{live.request.prefixes[chosen]};
       live.branches = 1;
-      scheduler_.narrow(live.id, 1);
+      scheduler_.route(live.id, chosen);
       sample_into(live, last[chosen], events);
       return;
     }

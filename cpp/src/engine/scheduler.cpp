@@ -104,11 +104,18 @@ void Scheduler::prefilled(int64_t id, int64_t tokens) {
   it->second.prefilled += tokens;
 }
 
-void Scheduler::narrow(int64_t id, int64_t rows) {
+void Scheduler::route(int64_t id, int64_t row) {
   auto it = running_.find(id);
-  TORCH_INTERNAL_ASSERT(it != running_.end() && rows > 0 && rows <= it->second.rows);
-  running_rows_ -= it->second.rows - rows;
-  it->second.rows = rows;
+  TORCH_INTERNAL_ASSERT(it != running_.end() && row >= 0 && row < it->second.rows &&
+                        it->second.reserve % it->second.rows == 0);
+  Scheduled& s = it->second;
+  const int64_t per_row = s.reserve / s.rows, kept = s.kv_offset + row * per_row, end = s.kv_offset + s.reserve;
+  if (kept > s.kv_offset) allocator_.release(s.kv_offset, kept - s.kv_offset);
+  if (end > kept + per_row) allocator_.release(kept + per_row, end - kept - per_row);
+  running_rows_ -= s.rows - 1;
+  s.rows = 1;
+  s.kv_offset = kept;
+  s.reserve = per_row;
 }
 
 bool Scheduler::finish(int64_t id) {

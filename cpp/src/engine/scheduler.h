@@ -65,9 +65,10 @@ class Scheduler {
   StepPlan plan();
   // After a step: `tokens` more prompt tokens of `id` are in the pool.
   void prefilled(int64_t id, int64_t tokens);
-  // A running request computed as fewer sequences from now on (a routed mixture); it keeps
-  // its KV range.
-  void narrow(int64_t id, int64_t rows);
+  // A running request of several sequences computed as its sequence `row` alone from now on
+  // (a routed mixture): it keeps that sequence's KV slots and gives the others' back at once,
+  // so that waiting requests can start in them.
+  void route(int64_t id, int64_t row);
   // Removes a waiting or running request; a running one gives its KV range back at once.
   // False when unknown.
   bool finish(int64_t id);

@@ -90,7 +90,7 @@ class ChatCompletionRequest(BaseModel):
         "how well each explains the conversation so far, from the first message after the system prompt (each "
         "document's questions keep their single-cartridge quality; costs one sequence per cartridge). `route`: as "
         "`mixture` while the prompt is read, then the reply is decoded with the cartridge that weighs most alone "
-        "(one sequence: several times faster for a cartridge trained in parts, a little less of its gain). "
+        "(one sequence and its KV: several times faster for a cartridge trained in parts, a little less of its gain). "
         "`concatenate`: their KV one after another in front of one sequence, in order (cheaper, but trained "
         "cartridges pull every question to themselves). A cartridge trained in parts counts as its parts, and is "
         "composed by `mixture` or `route` only.")
