@@ -76,7 +76,7 @@ class Datablocks:
               config: dict[str, Any] | None = None, parts: bool | None = None,
               part_tokens: int | None = None) -> dict[str, Any]:
         """Queues training on the given processed files; returns the datablock (`queued`). With
-        `parts`, the corpus is trained as a cartridge per part of at most `part_tokens` tokens,
+        `parts`, the corpus is trained as a cartridge per part of about `part_tokens` tokens,
         served together by mixture; `parts=False`, as one cartridge; unset, in parts when it holds
         more than four of the model's contexts."""
         files = [training_files] if isinstance(training_files, str) else list(training_files)

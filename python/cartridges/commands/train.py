@@ -59,13 +59,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint (needs it)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--parts", action=argparse.BooleanOptionalAction, help="cut the corpus at headings (or "
-                        "paragraphs) into parts of at most --part-tokens, train a cartridge per part and write them "
-                        "all to CART as one file, which chat and the server compose by mixture; with --checkpoint, "
-                        "each part's state is kept and --resume goes on from it. Default: in parts for a corpus of "
-                        "more than four of the model's contexts (32,768 tokens for the default model), one cartridge "
-                        "otherwise (and always for a .pt); --no-parts for one cartridge however long the corpus")
-    parser.add_argument("--part-tokens", type=int, metavar="N", help="the most tokens of a part; implies --parts "
-                        "(default: two of the model's contexts, 16,384 tokens for the default model)")
+                        "paragraphs) into parts of about --part-tokens (a part can run a little over, to end at a "
+                        "heading), train a cartridge per part and write them all to CART as one file, which chat "
+                        "and the server compose by mixture; with --checkpoint, each part's state is kept and "
+                        "--resume goes on from it. Default: in parts for a corpus of more than four of the model's "
+                        "contexts (32,768 tokens for the default model), one cartridge otherwise (and always for a "
+                        ".pt); --no-parts for one cartridge however long the corpus")
+    parser.add_argument("--part-tokens", type=int, metavar="N", help="about how many tokens a part holds; implies "
+                        "--parts (default: two of the model's contexts, 16,384 tokens for the default model)")
     summaries = field_summaries()
     for name, info in TrainConfig.model_fields.items():
         _config_argument(parser, name, info, summaries[name])

@@ -32,15 +32,15 @@ class TrainRequest(BaseModel):
     )
     parts: bool | None = Field(
         default=None,
-        description="`true`: cut the corpus at headings (or paragraphs) into parts of at most `part_tokens`, train a "
-        "cartridge per part with `config`, and keep them as one cartridge whose parts a chat composes by mixture (a "
-        "corpus within one part gets one cartridge). `false`: one cartridge however long the corpus. Unset: in parts "
-        "for a corpus of more than four of the model's contexts (32,768 tokens for the default model), decided when "
-        "the job has read the files.")
+        description="`true`: cut the corpus at headings (or paragraphs) into parts of about `part_tokens` (a part "
+        "can run a little over, to end at a heading), train a cartridge per part with `config`, and keep them as one "
+        "cartridge whose parts a chat composes by mixture (a corpus within one part gets one cartridge). `false`: one "
+        "cartridge however long the corpus. Unset: in parts for a corpus of more than four of the model's contexts "
+        "(32,768 tokens for the default model), decided when the job has read the files.")
     part_tokens: int | None = Field(
         default=None, ge=MIN_PART_TOKENS,
-        description="The most tokens of a part (implies `parts`); default: two of the model's contexts (16,384 "
-        "tokens for the default model).")
+        description="About how many tokens a part holds (implies `parts`); default: two of the model's contexts "
+        "(16,384 tokens for the default model).")
 
     @model_validator(mode="after")
     def _part_tokens_need_parts(self) -> TrainRequest:
@@ -115,7 +115,7 @@ class DatablockObject(BaseModel):
     error: DatablockError | None
     parts: bool | None = Field(default=None, description="Trained in parts: the request's `parts`, or when it left "
                                "them to the corpus' length, what the job decided (null until it starts).")
-    part_tokens: int | None = Field(default=None, description="With `parts`, the most tokens of a part (the "
+    part_tokens: int | None = Field(default=None, description="With `parts`, about how many tokens a part holds (the "
                                     "request's, or the default once the job has started).")
     imported_from: str | None = Field(
         default=None, description="Set for a cartridge made elsewhere and added with `cartridges import` (a PEFT "
