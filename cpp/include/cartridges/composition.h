@@ -21,9 +21,9 @@ enum class Composition {
   kMixture = 1,
   // As kMixture while the prompt is read; at its end only the cartridge with the most weight
   // goes on, and the reply is decoded with it alone: one sequence a step, and one sequence's
-  // KV, instead of one per cartridge, for the parts of one corpus, where the question's own part takes nearly all
-  // the weight (docs/experiments.md, "Does a cartridge per part of a long corpus, composed by
-  // mixture, remember more of it?").
+  // KV, instead of one per cartridge, for the parts of one corpus, where the question's own
+  // part takes nearly all the weight (docs/experiments.md, "Does a cartridge per part of a
+  // long corpus, composed by mixture, remember more of it?").
   kRoute = 2,
 };
 
