@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from cartridges.cartridge import Cartridge
-from cartridges.parts import DEFAULT_PART_CONTEXTS, corpus_parts
+from cartridges.parts import DEFAULT_PART_CONTEXTS, MIN_PART_TOKENS, corpus_parts
 from cartridges.retrieval import CHUNK_TOKENS as RETRIEVAL_CHUNK_TOKENS, TOP_K as RETRIEVAL_TOP_K, Retriever, passages_prompt
 from cartridges.selfstudy import Corpus, TrainConfig
 from cartridges.training import init_params
@@ -188,7 +188,8 @@ def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split
     train_stats: dict[str, Any] = {}
     parts: dict[str, Any] = {}
     if {"parts", "parts-route"} & set(args.conditions) and not args.baselines_only:
-        texts = corpus_parts(model.tokenizer, doc.text, args.part_tokens or DEFAULT_PART_CONTEXTS * model.context_length)
+        part_tokens = args.part_tokens or DEFAULT_PART_CONTEXTS * model.context_length
+        texts = corpus_parts(model.tokenizer, doc.text, part_tokens)
         trained = [get_cartridge(model, f"{doc.name}-part{j}of{len(texts)}", text, requested, args.cartridge_dir)
                    for j, text in enumerate(texts, 1)]
         parts = {"tokens": [len(Corpus.from_texts(model.tokenizer, [t])) for t in texts],
@@ -370,7 +371,7 @@ def main() -> int:
                         metavar="A,B,...", help=f"the conditions to run, of {', '.join(CONDITIONS)} (default: all but "
                         "the parts'; none and oracle always run)")
     parser.add_argument("--part-tokens", type=int, default=0, metavar="N",
-                        help="the parts' conditions cut the corpus into parts of at most N tokens (default: "
+                        help="the parts' conditions cut the corpus into parts of about N tokens (default: "
                         f"{DEFAULT_PART_CONTEXTS} of the model's contexts, as `cartridges train` does)")
     parser.add_argument("--plot-dir", type=Path, default=None,
                         help="where the bar charts go (default: docs/images for a run of the defaults with every "
@@ -383,6 +384,8 @@ def main() -> int:
     unknown = set(args.conditions) - set(CONDITIONS)
     if unknown:
         parser.error(f"unknown conditions {sorted(unknown)}; choose from {', '.join(CONDITIONS)}")
+    if args.part_tokens and args.part_tokens < MIN_PART_TOKENS:
+        parser.error(f"--part-tokens must be at least {MIN_PART_TOKENS}, not {args.part_tokens}")
     trained = sorted({"cartridge", "cartridge+retrieval", "parts", "parts-route"} & set(args.conditions))
     if args.baselines_only and set(args.conditions) != set(DEFAULT_CONDITIONS) and trained:
         parser.error(f"--baselines-only trains nothing, and {', '.join(trained)} need training: leave out one or the other")
