@@ -93,6 +93,22 @@ TEST_F(ModelTest, BadInputsAreRefused) {
   EXPECT_THROW(LlamaModel(config, bad, at::kCPU, at::kFloat), c10::Error);
 }
 
+// A sequence with all_logits returns a row at each new token from logits_from on (a mixture
+// scores the prompt past its system prompt only); a logits_from past its tokens is refused.
+TEST_F(ModelTest, PackedStepReturnsEveryRowFromLogitsFrom) {
+  auto a = at::randint(config.vocab_size, {7}, at::kLong), b = at::randint(config.vocab_size, {3}, at::kLong);
+  KVPool pool(config, 32, model->options());
+  PackedBatch batch;
+  batch.tokens = at::cat({a, b});
+  batch.sequences = {{0, 0, 7, {}, true, true, 3}, {16, 0, 3, {}, true}};
+  auto logits = model->forward_packed(batch, pool);
+  ASSERT_EQ(logits.size(0), 5);  // rows 3..6 of a, then b's last
+  EXPECT_TRUE(at::allclose(logits.narrow(0, 0, 4), full(a).narrow(0, 3, 4), 1e-4, 1e-5));
+  EXPECT_TRUE(at::allclose(logits[4], full(b)[2], 1e-4, 1e-5));
+  batch.sequences[0].logits_from = 8;
+  EXPECT_THROW(model->forward_packed(batch, pool), c10::Error);
+}
+
 TEST_F(ModelTest, PackedStepMatchesFullForward) {
   // Three sequences in one packed step: a prefill chunk after earlier tokens, a decode token,
   // and a whole prompt behind a prefix; each row's logits equal the plain forward's.

@@ -45,9 +45,12 @@ struct PackedSequence {
   int64_t num_new = 1;    // tokens of this step, written at slots kv_offset + past + j
   PrefixList prefixes;    // cartridges in front, in order (read in place, never copied)
   bool logits = true;     // whether the step returns logits at its last new token
-  // Logits at every new token instead (num_new rows): scoring the prompt tokens of a
-  // sequence whose weight depends on them (composition by mixture).
+  // Logits at every new token from `logits_from` on instead (num_new - logits_from rows):
+  // scoring the prompt tokens of a sequence whose weight depends on them (composition by
+  // mixture); the tokens before logits_from are read without a row (a mixture does not weigh
+  // its cartridges by the chat template's opening and the system prompt).
   bool all_logits = false;
+  int64_t logits_from = 0;
 };
 
 // A serving step: decode tokens and prefill chunks of many sequences, packed without padding.

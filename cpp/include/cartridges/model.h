@@ -115,9 +115,9 @@ class LlamaModel {
   at::Tensor forward(const ForwardBatch& batch, KVCache* cache) const;
 
   // The serving step: appends each sequence's new K/V to `pool` and returns float32 logits
-  // [R, vocab], in order: num_new rows for each sequence with `all_logits` set, one at the
-  // last new token for each other sequence with `logits` set. Sequences
-  // with the same prefix list attend to it together, reading it once per layer.
+  // [R, vocab], in order: num_new - logits_from rows for each sequence with `all_logits` set,
+  // one at the last new token for each other sequence with `logits` set. Sequences with the
+  // same prefix list attend to it together, reading it once per layer.
   at::Tensor forward_packed(const PackedBatch& batch, KVPool& pool) const;
   // A decode step at fixed shapes, for R one-token rows (a CUDA graph captures and replays
   // it): `inputs` [kDecodeInputs, R] int64 on the model's device (cartridges/kv_pool.h), each

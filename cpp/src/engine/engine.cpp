@@ -47,6 +47,16 @@ bool is_stop(const SamplingParams& params, int64_t token) {
   return std::find(params.stop_token_ids.begin(), params.stop_token_ids.end(), token) != params.stop_token_ids.end();
 }
 
+// The first position of a prompt chunk (`chunk` tokens after `start`) whose logits weigh a
+// mixture's cartridges: position j predicts prompt token start + j + 1, tokens before
+// weigh_from add nothing, and the prompt's last position, which predicts the output, always
+// has its row. The earlier positions get none: the chat template's opening and the system
+// prompt skip the output layer, the largest matrix product of a token.
+int64_t first_weighed(const Request& request, int64_t start, int64_t chunk) {
+  const bool ends_prompt = start + chunk == static_cast<int64_t>(request.prompt.size());
+  return std::clamp<int64_t>(request.weigh_from - start - 1, 0, ends_prompt ? chunk - 1 : chunk);
+}
+
 // Keeps the first of each cartridge (by identity), in order.
 void drop_repeats(PrefixList& prefixes) {
   PrefixList kept;
@@ -356,8 +366,9 @@ class EngineImpl {
             tokens.insert(tokens.end(), prompt.begin() + s->prefilled, prompt.begin() + s->prefilled + chunk);
             seq.logits = s->prefilled + chunk == s->prompt_tokens;
             seq.all_logits = live->branches > 1;  // a mixture weighs its cartridges by the prompt too
+            if (seq.all_logits) seq.logits_from = first_weighed(live->request, s->prefilled, chunk);
           }
-          const int64_t rows = seq.all_logits ? seq.num_new : (seq.logits ? 1 : 0);
+          const int64_t rows = seq.all_logits ? seq.num_new - seq.logits_from : (seq.logits ? 1 : 0);
           parts.push_back({live, chunk, s->prefilled, rows});
           batch.sequences.push_back(std::move(seq));
         }
@@ -425,23 +436,23 @@ class EngineImpl {
     end_if_done(live, token, events);
   }
 
-  // A mixture's step: `logits` holds `part.rows` rows for each of its sequences in turn. The
-  // prompt tokens of a prefill chunk add to each cartridge's weight; the distribution at the
-  // last position, mixed under the weights, is sampled from, and the sampled token adds too.
+  // A mixture's step: `logits` holds `part.rows` rows for each of its sequences in turn, from
+  // a prefill chunk's first weighed position on. The prompt tokens of a prefill chunk add to
+  // each cartridge's weight; the distribution at the last position, mixed under the weights,
+  // is sampled from, and the sampled token adds too.
   void mix_into(Live& live, const Part& part, const at::Tensor& logits, bool samples, std::vector<Event>& events) {
     const int64_t n = live.branches, vocab = logits.size(-1);
     const auto logprobs = at::log_softmax(logits.view({n, part.rows, vocab}), -1);  // [n, rows, vocab]
     if (part.chunk > 0) {
       // Position j predicts prompt token start + j + 1; the prompt's last position predicts output.
       const auto& prompt = live.request.prompt;
-      // Tokens before weigh_from add nothing.
       const int64_t end = std::min(part.chunk, static_cast<int64_t>(prompt.size()) - part.start - 1);
-      const int64_t first = std::clamp<int64_t>(live.request.weigh_from - part.start - 1, 0, std::max<int64_t>(end, 0));
+      const int64_t first = first_weighed(live.request, part.start, part.chunk);  // row 0
       const int64_t scored = end - first;
       if (scored > 0) {
         std::vector<int64_t> next(prompt.begin() + part.start + 1 + first, prompt.begin() + part.start + 1 + end);
         auto targets = at::tensor(next, at::kLong).view({1, scored, 1}).expand({n, scored, 1});
-        auto gained = logprobs.narrow(1, first, scored).gather(2, targets).sum({1, 2}).to(at::kDouble);
+        auto gained = logprobs.narrow(1, 0, scored).gather(2, targets).sum({1, 2}).to(at::kDouble);
         for (int64_t b = 0; b < n; ++b) live.log_weights[b] += gained[b].item<double>();
       }
     }

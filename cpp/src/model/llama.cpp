@@ -367,8 +367,10 @@ at::Tensor LlamaModel::forward_packed(const PackedBatch& batch, KVPool& pool) co
                   "forward_packed: a prefix must hold keys and values for each of the ", c.num_layers, " layers");
       prefix_len += p->num_tokens();
     }
+    TORCH_CHECK(s.logits_from >= 0 && s.logits_from <= s.num_new, "forward_packed: logits_from must lie in [0, ",
+                s.num_new, "], got ", s.logits_from);
     for (int64_t j = 0; j < s.num_new; ++j) {
-      if (s.all_logits) last.push_back(static_cast<int64_t>(positions.size()));
+      if (s.all_logits && j >= s.logits_from) last.push_back(static_cast<int64_t>(positions.size()));
       positions.push_back(prefix_len + s.past + j);
       slots.push_back(s.kv_offset + s.past + j);
     }
