@@ -1,0 +1,79 @@
+"""What holds a long corpus' weak sections under the 0.3 floor: for each section whose recovered
+share of the oracle's gain is under `--floor` in a result file of `eval_long.py`, the oracle's
+gain there, the question that weighs most against it (and that question's gain over no context:
+negative where the cartridge is worse than no context at all) and the section's share without
+that one question; then how many questions of the whole file the cartridge answers more than a
+nat a token worse than no context.
+
+    python benchmarks/weak_sections.py benchmarks/results/eval_long_chronicle_parts9k.json [...]
+        [--condition parts] [--floor 0.3]
+
+A section holds 6-9 questions (multi-hop ones count for both of theirs), so one question can
+decide its share; this says whether the misses are forgotten sections (every question near no
+context) or wrong recall (one answer pulled below no context).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def per_token(questions: list[dict], condition: str) -> float:
+    """Log p of the gold answers per token over `questions`, as the suite sums a section."""
+    return sum(q[condition]["loglik"] for q in questions) / sum(q[condition]["answer_tokens"] for q in questions)
+
+
+def share(questions: list[dict], condition: str) -> float:
+    none, oracle = per_token(questions, "none"), per_token(questions, "oracle")
+    return (per_token(questions, condition) - none) / (oracle - none) if oracle != none else float("nan")
+
+
+def gain(question: dict, condition: str) -> float:
+    """The question's gain over no context under `condition`, in nats a token."""
+    return (question[condition]["loglik"] - question["none"]["loglik"]) / question["none"]["answer_tokens"]
+
+
+def report(path: Path, condition: str, floor: float) -> tuple[int, int]:
+    """Prints one document's weak sections; returns (weak sections, those at the floor without one question)."""
+    weak = lifted = 0
+    for name, d in json.loads(path.read_text())["documents"].items():
+        if condition not in d.get("recovered", {}):
+            print(f"{path.name} {name}: no condition {condition!r}")
+            continue
+        questions = d["per_question"]
+        below = sum(gain(q, condition) < -1.0 for q in questions)
+        print(f"\n{path.name} {name} ({condition}): {below} of {len(questions)} questions over a nat a token "
+              f"below no context")
+        print("| section | questions | oracle gain, nats/token | share | the question that weighs most | "
+              "its gain over none | share without it |\n|---|---|---|---|---|---|---|")
+        for section, value in d["recovered"][condition]["by_section"].items():
+            if not value < floor:
+                continue
+            own = [q for q in questions if int(section) in q["sections"]]
+            without, worst = max(((share([q for q in own if q is not x], condition), x) for x in own),
+                                 key=lambda t: t[0])
+            oracle_gain = per_token(own, "oracle") - per_token(own, "none")
+            weak, lifted = weak + 1, lifted + (without >= floor)
+            print(f"| {section} | {len(own)} | {oracle_gain:.2f} | {value:.2f} | {worst['kind']}: "
+                  f"{worst['answer']} (reply: {worst[condition]['reply'][:60]!r}) | {gain(worst, condition):.1f} | "
+                  f"{without:.2f} |")
+    return weak, lifted
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="+", type=Path, help="result files of eval_long.py")
+    parser.add_argument("--condition", default="parts")
+    parser.add_argument("--floor", type=float, default=0.3)
+    args = parser.parse_args()
+    weak = lifted = 0
+    for path in args.results:
+        w, l = report(path, args.condition, args.floor)
+        weak, lifted = weak + w, lifted + l
+    print(f"\n{weak} sections under {args.floor}; {lifted} reach it without their one question that weighs most")
+
+
+if __name__ == "__main__":
+    main()
