@@ -19,15 +19,18 @@ import argparse
 import json
 from pathlib import Path
 
+from evaluation import recovered, summary  # this script's sibling, as eval_long imports it
+
 
 def per_token(questions: list[dict], condition: str) -> float:
     """Log p of the gold answers per token over `questions`, as the suite sums a section."""
-    return sum(q[condition]["loglik"] for q in questions) / sum(q[condition]["answer_tokens"] for q in questions)
+    rows = [q[condition] for q in questions]
+    return summary(rows, list(range(len(rows))))["loglik_per_token"]
 
 
 def share(questions: list[dict], condition: str) -> float:
-    none, oracle = per_token(questions, "none"), per_token(questions, "oracle")
-    return (per_token(questions, condition) - none) / (oracle - none) if oracle != none else float("nan")
+    """The recovered share of the oracle's gain over `questions`, as the suite's section figure."""
+    return recovered(per_token(questions, condition), per_token(questions, "none"), per_token(questions, "oracle"))
 
 
 def gain(question: dict, condition: str) -> float:
@@ -52,6 +55,10 @@ def report(path: Path, condition: str, floor: float) -> tuple[int, int]:
             if not value < floor:
                 continue
             own = [q for q in questions if int(section) in q["sections"]]
+            if len(own) < 2:
+                print(f"| {section} | {len(own)} | | {value:.2f} | (one question: nothing to leave out) | | |")
+                weak += 1
+                continue
             without, worst = max(((share([q for q in own if q is not x], condition), x) for x in own),
                                  key=lambda t: t[0])
             oracle_gain = per_token(own, "oracle") - per_token(own, "none")

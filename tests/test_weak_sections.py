@@ -1,0 +1,36 @@
+"""benchmarks/weak_sections.py finds, in a result file of the long-corpus suite, the question that
+holds a weak section down, and the section's share without it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def question(section: int, none: float, oracle: float, parts: float, answer: str) -> dict:
+    scored = lambda loglik: {"loglik": loglik, "answer_tokens": 1, "reply": "a reply", "match": False}  # noqa: E731
+    return {"question": "?", "answer": answer, "kind": "literal", "sections": [section],
+            "none": scored(none), "oracle": scored(oracle), "parts": scored(parts)}
+
+
+def test_a_weak_section_names_the_question_below_no_context(tmp_path):
+    # Section 1: two questions recover 0.8 of the oracle's gain, a third falls 3 nats below no
+    # context: the section's share is (2 * 1.6 - 3) / 6 = 0.03, and 0.8 without that question.
+    # Section 2 recovers all of it and is not reported.
+    questions = [question(1, -4.0, -2.0, -2.4, "Kept"), question(1, -4.0, -2.0, -2.4, "Kept too"),
+                 question(1, -4.0, -2.0, -7.0, "Wakeful Heron"), question(2, -4.0, -2.0, -2.0, "Fine")]
+    result = {"documents": {"doc": {"per_question": questions,
+                                    "recovered": {"parts": {"by_section": {"1": 0.2 / 6, "2": 1.0}}}}}}
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(result))
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "weak_sections.py"), str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    assert "1 of 4 questions over a nat a token below no context" in out
+    row = next(line for line in out.splitlines() if line.startswith("| 1 |"))
+    assert "Wakeful Heron" in row and "| -3.0 |" in row and row.endswith("| 0.80 |")
+    assert not any(line.startswith("| 2 |") for line in out.splitlines())
+    assert "1 sections under 0.3; 1 reach it" in out
