@@ -18,6 +18,8 @@ Conditions, scored on the same questions by the scorer of eval_cartridge.py (eva
                        makes them past four contexts and a chat request on their file is answered
   parts-route          the same parts composed by route: the part the mixture weighs most before
                        the reply decodes it alone (chat's `composition: "route"`)
+  parts-search         the same parts, the one BM25 over their own text ranks first for the
+                       question alone in front (`cartridges.parts.PartSearch`)
 "recovered" = (condition - none) / (oracle - none) on log p(gold) per token: overall, per
 section and per question kind, next to the exact-answer rate (the gold in a greedy reply).
 A bar chart per document (one group of bars per section) goes to --plot-dir (docs/images for a
@@ -40,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from cartridges.cartridge import Cartridge
-from cartridges.parts import DEFAULT_PART_CONTEXTS, MIN_PART_TOKENS, corpus_parts
+from cartridges.parts import DEFAULT_PART_CONTEXTS, MIN_PART_TOKENS, PartSearch, corpus_parts
 from cartridges.retrieval import CHUNK_TOKENS as RETRIEVAL_CHUNK_TOKENS, TOP_K as RETRIEVAL_TOP_K, Retriever, passages_prompt
 from cartridges.selfstudy import Corpus, TrainConfig
 from cartridges.training import init_params
@@ -52,9 +54,9 @@ DOCS_DIR = Path(__file__).resolve().parent / "eval_docs" / "long"
 ALL_DOCS = ("atlas", "chronicle", "rulebook", "almanac", "lighthouse", "university", "navigation")
 DEFAULT_TUNE = ("atlas", "chronicle")  # the other documents are held out from every tuning decision
 KINDS = ("literal", "numeric", "paraphrase", "yes_no", "multi_hop")
-CONDITIONS = ("none", "truncation", "retrieval", "oracle", "init", "cartridge", "cartridge+retrieval", "parts",
-              "parts-route")
-DEFAULT_CONDITIONS = CONDITIONS[:-2]  # parts train a cartridge per part as well: asked for by name
+PARTS_CONDITIONS = ("parts", "parts-route", "parts-search")
+CONDITIONS = ("none", "truncation", "retrieval", "oracle", "init", "cartridge", "cartridge+retrieval", *PARTS_CONDITIONS)
+DEFAULT_CONDITIONS = CONDITIONS[:-len(PARTS_CONDITIONS)]  # parts train a cartridge per part as well: asked for by name
 PLOTTED = ("none", "truncation", "retrieval", "oracle", "cartridge", "cartridge+retrieval", "parts")
 SECTION_HEADING = re.compile(r"^## (\d+)\. ", re.MULTILINE)
 
@@ -187,7 +189,7 @@ def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split
     }
     train_stats: dict[str, Any] = {}
     parts: dict[str, Any] = {}
-    if {"parts", "parts-route"} & set(args.conditions) and not args.baselines_only:
+    if set(PARTS_CONDITIONS) & set(args.conditions) and not args.baselines_only:
         part_tokens = args.part_tokens or DEFAULT_PART_CONTEXTS * model.context_length
         texts = corpus_parts(model.tokenizer, doc.text, part_tokens)
         trained = [get_cartridge(model, f"{doc.name}-part{j}of{len(texts)}", text, requested, args.cartridge_dir)
@@ -197,10 +199,17 @@ def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split
                  "configs": [c.config for c, _ in trained],
                  **{stage: sum(s.get(stage) or 0 for _, s in trained) for stage in ("init_s", "synthesis_s", "training_s")},
                  "train_stats": [s for _, s in trained]}
-        prefixes = tuple(c.prefix(model) for c, _ in trained)  # built once for both compositions
+        prefixes = tuple(c.prefix(model) for c, _ in trained)  # built once for every composition
         for name, composition in (("parts", "mixture"), ("parts-route", "route")):
             runs[name] = functools.partial(evaluate, model, questions,
                                            Condition(prefixes=prefixes, composition=composition), args.max_reply)
+        found = PartSearch(model.tokenizer, texts).find_many([q.question for q in questions])
+        holding = [{j for j, t in enumerate(texts) if section.splitlines()[0] in t} for section in doc.sections]
+        parts["search_finds_section"] = sum(any(j in holding[s - 1] for s in q.sections)
+                                            for j, q in zip(found, questions)) / len(questions)
+        runs["parts-search"] = functools.partial(evaluate_each, model, questions, [
+            Condition(prefixes=prefixes) if j is None else Condition(prefixes=(prefixes[j],)) for j in found],
+            args.max_reply)
     if args.baselines_only:
         cart = initialization()
     elif not {"cartridge", "cartridge+retrieval"} & set(args.conditions):
@@ -288,7 +297,10 @@ def print_tables(name: str, d: dict) -> None:
               f"; cartridge {d['kv']['cartridge_tokens']} tokens, {d['kv']['ratio']:.1f}x less KV than the corpus"
               if d.get("kv") else "") + (
               f"; parts of {', '.join(map(str, d['parts']['tokens']))} tokens, cartridges of "
-              f"{', '.join(map(str, d['parts']['cartridge_tokens']))}" if d.get("parts") else "") + "\n")
+              f"{', '.join(map(str, d['parts']['cartridge_tokens']))}" if d.get("parts") else "") + (
+              f"; the part searched for holds the question's section for "
+              f"{d['parts']['search_finds_section']:.0%} of the questions"
+              if (d.get("parts") or {}).get("search_finds_section") is not None else "") + "\n")
     print("| condition | log p/token | exact answers | exact, other than yes/no | recovered |\n|---|---|---|---|---|")
     for c in conds:
         r = d["conditions"][c]
@@ -392,7 +404,7 @@ def main() -> int:
         parser.error(f"unknown conditions {sorted(unknown)}; choose from {', '.join(CONDITIONS)}")
     if args.part_tokens and args.part_tokens < MIN_PART_TOKENS:
         parser.error(f"--part-tokens must be at least {MIN_PART_TOKENS}, not {args.part_tokens}")
-    trained = sorted({"cartridge", "cartridge+retrieval", "parts", "parts-route"} & set(args.conditions))
+    trained = sorted({"cartridge", "cartridge+retrieval", *PARTS_CONDITIONS} & set(args.conditions))
     if args.baselines_only and set(args.conditions) != set(DEFAULT_CONDITIONS) and trained:
         parser.error(f"--baselines-only trains nothing, and {', '.join(trained)} need training: leave out one or the other")
 

@@ -11,7 +11,10 @@ against 0.47, for the parts' count times the KV and the same training time (docs
 "Should a corpus past four contexts train in parts by default?"). The parts are kept as one
 cartridge file (`cartridges.save_cartridges`); a chat on it is answered by the mixture of its
 parts, which puts its weight on the part the question is about; a question that joins two parts
-is answered from one of them. They are not to be concatenated: parts trained apart read as one
+is answered from one of them. Where the parts' text is at hand, `PartSearch` finds that part
+from the question alone (the server's `composition: "search"`): one part's cost, about the
+mixture's quality (docs/experiments.md, "Does choosing a cartridge's part by BM25 keep the
+mixture's quality?"). They are not to be concatenated: parts trained apart read as one
 cartridge recover half as much. The CLI and the server train a corpus this way when it holds
 more than four of the model's contexts and the user did not say (`in_parts_by_default`).
 """
@@ -199,3 +202,26 @@ def remaining_estimate(elapsed_s: float, sizes: Sequence[int], done: int) -> str
     others = len(sizes) - done
     amount = f"{left / 60:.0f} minutes" if left >= 90 else f"{left:.0f} seconds"
     return f"about {amount} for the last part" if others == 1 else f"about {amount} for the other {others} parts"
+
+
+class PartSearch:
+    """Which part of a corpus a question is about, by BM25 over the parts' own text: the part
+    of the chunk that ranks first (the chunks and the ranking of `cartridges.retrieval`). On the
+    suite's documents past four contexts it names a part that holds the question's section for
+    94-99% of the questions, in parts of one or two contexts. Choosing the part from the
+    question alone lets a chat read its prompt behind that one part, where a mixture or a route
+    reads it once per part."""
+
+    def __init__(self, tokenizer: Any, texts_of_parts: Sequence[str]) -> None:
+        from .retrieval import Retriever
+
+        self.parts = len(texts_of_parts)
+        self._retriever = Retriever.from_texts(tokenizer, texts_of_parts)
+
+    def find_many(self, questions: Sequence[str]) -> list[int | None]:
+        """Per question, the index of its part; None where no chunk shares a word with it
+        (a question of stop words alone)."""
+        return [hits[0].source if hits else None for hits in self._retriever.hits_many(questions, 1)]
+
+    def find(self, question: str) -> int | None:
+        return self.find_many([question])[0]

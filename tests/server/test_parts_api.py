@@ -1,7 +1,8 @@
 """A datablock trained in parts (docs/api.md §2 `parts`) on a live server with a tiny model: one
 datablock whose cartridge holds a cartridge per part of the corpus, each part's figures in its
-metrics, chat answered by the mixture of its parts (exactly the library's), concatenation and
-single-cartridge export formats refused, listed and unloaded as one cartridge."""
+metrics, chat answered by the mixture of its parts (exactly the library's) or by the part a
+question is about (`composition: "search"`), concatenation and single-cartridge export formats
+refused, listed and unloaded as one cartridge."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ pytestmark = pytest.mark.slow
 PART_TOKENS = 400
 MESSAGES = [{"role": "user", "content": "Who rings the bell?"}]
 SECTIONS = ["Bells", "Harbor", "Ships", "Weddings"]
+KEEPERS = ["Arven", "Belmo", "Corisande", "Dunstable"]  # a word of each section's alone, for `search`
 CORPUS = "# Quelmor\n\nThe village and its bells.\n\n" + "\n\n".join(
-    f"## {n}. {title}\n\n{DOCUMENT.strip()}" for n, title in enumerate(SECTIONS, 1))
+    f"## {n}. {title}\n\n{DOCUMENT.strip()} Its keeper is {keeper}."
+    for n, (title, keeper) in enumerate(zip(SECTIONS, KEEPERS), 1))
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +102,28 @@ def test_chat_composes_the_parts_by_mixture_exactly_as_the_library(chat_server: 
     assert client.models.retrieve(block["id"]).model_extra["num_tokens"] == block["num_tokens"]
 
 
+def test_search_answers_from_the_part_the_question_is_about(chat_server: LiveServer, model, trained) -> None:
+    block = trained["block"]
+    client = chat_server.openai(trained["key"])
+    parts = stored_parts(chat_server, block["id"])
+    texts = corpus_parts(model.tokenizer, CORPUS, PART_TOKENS)
+    last = next(j for j, text in enumerate(texts) if "Dunstable" in text)
+    assert last > 0  # not the part a tie would give
+    asked = [{"role": "user", "content": "What does Dunstable keep?"}]
+    reply = client.chat.completions.create(model=block["id"], messages=asked, temperature=0, max_tokens=12,
+                                           logprobs=True, extra_body={"composition": "search"})
+    expected = model.generate([model.encode_chat(asked)], prefixes=[parts[last].prefix(model)], max_new_tokens=12,
+                              logprobs=1)[0]
+    assert reply.usage.prompt_tokens_details.cached_tokens == parts[last].num_tokens  # that part's KV alone
+    assert reply.choices[0].message.content == expected.text
+    assert [t.logprob for t in reply.choices[0].logprobs.content] == pytest.approx(
+        [t.logprob for t in expected.logprobs], abs=1e-4)
+    # A question of stop words alone names no part: every part, by mixture.
+    vague = client.chat.completions.create(model=block["id"], messages=[{"role": "user", "content": "Who is it?"}],
+                                           max_tokens=2, extra_body={"composition": "search"})
+    assert vague.usage.prompt_tokens_details.cached_tokens == block["num_tokens"]
+
+
 def test_its_file_downloads_whole_and_single_cartridge_formats_are_refused(chat_server: LiveServer, trained,
                                                                             tmp_path) -> None:
     block = trained["block"]
@@ -136,6 +161,11 @@ def test_its_file_imports_as_a_cartridge_in_parts(chat_server: LiveServer, train
     ours = chat_server.openai(trained["key"]).chat.completions.create(model=block["id"], **asked)
     assert theirs.choices[0].message.content == ours.choices[0].message.content
     assert theirs.usage.prompt_tokens_details.cached_tokens == block["num_tokens"]
+    # Imported, it has no training files to search: `search` composes all its parts by mixture.
+    searched = chat_server.openai(key).chat.completions.create(
+        model=imported["id"], messages=[{"role": "user", "content": "What does Dunstable keep?"}], max_tokens=2,
+        extra_body={"composition": "search"})
+    assert searched.usage.prompt_tokens_details.cached_tokens == block["num_tokens"]
 
 
 def test_a_corpus_within_one_part_is_one_cartridge(chat_server: LiveServer, trained) -> None:

@@ -6,7 +6,7 @@ import io
 import pytest
 
 from cartridges.cartridge import Cartridge
-from cartridges.parts import corpus_parts, remaining_estimate, train_parts
+from cartridges.parts import PartSearch, corpus_parts, remaining_estimate, train_parts
 from cartridges.selfstudy import TrainConfig
 
 
@@ -65,6 +65,16 @@ def test_a_corpus_without_headings_or_paragraphs_is_cut_between_lines_then_words
     words = " ".join(f"w{i}" for i in range(2500))  # one line
     parts = corpus_parts(Words(), words, 1000)
     assert len(parts) == 3 and " ".join(parts) == words
+
+
+def test_the_part_a_question_is_about_is_found_by_its_words():
+    parts = corpus_parts(Words(), manual(), 600)
+    search = PartSearch(Words(), parts)
+    assert search.parts == len(parts) >= 3
+    for n in range(1, 13):
+        holding = [j for j, text in enumerate(parts) if f"## {n}. Section {n}" in text]
+        assert search.find(f"What does s{n}p1w7 follow in section {n}?") == holding[0]
+    assert search.find_many(["What is it?", "s12p3w0"]) == [None, len(parts) - 1]  # stop words alone: no part
 
 
 def test_a_cartridge_is_trained_per_part(model, tmp_path):

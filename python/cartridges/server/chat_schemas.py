@@ -84,16 +84,19 @@ class ChatCompletionRequest(BaseModel):
     cartridges: list[str | CartridgeRef] | None = Field(
         default=None, description="Extension: more cartridges as context, composed with the `model` cartridge "
         "(if any) as `composition` says.")
-    composition: Literal["mixture", "route", "concatenate"] = Field(
+    composition: Literal["mixture", "route", "search", "concatenate"] = Field(
         default="mixture", description="Extension: how two or more cartridges are composed. `mixture`: each "
         "cartridge reads the conversation on its own, and each token is drawn from their predictions weighted by "
         "how well each explains the conversation so far, from the first message after the system prompt (each "
         "document's questions keep their single-cartridge quality; costs one sequence per cartridge). `route`: as "
         "`mixture` while the prompt is read, then the reply is decoded with the cartridge that weighs most alone "
         "(one sequence and its KV: several times faster for a cartridge trained in parts, a little less of its gain). "
+        "`search`: of a cartridge trained in parts, only the part that BM25 over the parts' own training text ranks "
+        "first for the last user message is used (one part's KV and speed, the prompt read once; about the "
+        "mixture's quality); where the search cannot say, all its parts by `mixture`. "
         "`concatenate`: their KV one after another in front of one sequence, in order (cheaper, but trained "
         "cartridges pull every question to themselves). A cartridge trained in parts counts as its parts, and is "
-        "composed by `mixture` or `route` only.")
+        "composed by `mixture`, `route` or `search` only.")
     retrieval: StrictBool | RetrievalOptions | None = Field(
         default=None, description="Extension: `true` (or `{top_k}`, default 4) also puts in the prompt the passages "
         "of the cartridges' own training files that best match the last user message (BM25 over chunks of about "

@@ -52,7 +52,7 @@ class Plan:
 def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> Plan:
     """Resolves cartridges and files, renders the prompt, checks the context. Blocking."""
     model, _ = serving.require_ready()
-    records, prefixes, cartridge_tokens = [], [], 0
+    records, parts_of = [], []  # parts_of[i]: the KV prefixes of records[i], one per part
     ids: list[tuple[str, str]] = []
     if body.model != serving.model_id:
         ids.append((body.model, "model"))
@@ -62,24 +62,30 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
         try:
             if body.retrieval and options.passages_only:  # their files are searched, their KV never loaded
                 records.append(serving.record(user, identifier, param=param))
+                parts_of.append([])
                 continue
             record, parts = serving.cartridge(user, identifier, param=param)
         except CartridgeUnavailable as unavailable:
             raise unavailable.error from None
         if len(parts) > 1 and body.composition == "concatenate":
             raise APIError(400, f"Cartridge '{identifier}' was trained in parts, which are composed by mixture: "
-                           "leave out `composition` (or give \"mixture\" or \"route\").", code="invalid_value",
-                           param="composition")
+                           "leave out `composition` (or give \"mixture\", \"route\" or \"search\").",
+                           code="invalid_value", param="composition")
         records.append(record)
-        prefixes += parts
-        cartridge_tokens += sum(prefix.num_tokens for prefix in parts)
+        parts_of.append(parts)
 
     files_deadline = time.monotonic() + FILE_WAIT_S
     messages = [{"role": "system" if m.role == "developer" else m.role,
                  "content": _content(serving, user, m.content, i, files_deadline)} for i, m in enumerate(body.messages)]
+    query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+    if body.composition == "search":
+        parts_of = [_searched(serving, user, record, parts, query) for record, parts in zip(records, parts_of)]
+    prefixes = [prefix for parts in parts_of for prefix in parts]
+    cartridge_tokens = sum(prefix.num_tokens for prefix in prefixes)
+    composition = "mixture" if body.composition == "search" else body.composition
     passages = None
     if body.retrieval:
-        messages, passages = _with_passages(serving, user, records, messages, options.top_k)
+        messages, passages = _with_passages(serving, user, records, messages, query, options.top_k)
     try:
         prompt = model.encode_chat(messages)
         weigh_from = model.conversation_start(messages, prompt)
@@ -89,7 +95,7 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
 
     # The engine's rule (a mixture gives each cartridge its own sequence: only the longest
     # takes context in front), asked of the engine so that the two never disagree.
-    in_front = core().tokens_in_front([p.num_tokens for p in prefixes], COMPOSITIONS[body.composition])
+    in_front = core().tokens_in_front([p.num_tokens for p in prefixes], COMPOSITIONS[composition])
     context, used = model.context_length, in_front + len(prompt)
     requested = body.max_completion_tokens or body.max_tokens
     if requested is None:
@@ -107,7 +113,7 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
         raise APIError(400, f"logit_bias names token id {outside[0]}, outside the model's vocabulary of "
                        f"{model.config.vocab_size} tokens.", code="invalid_value", param="logit_bias")
     return Plan(
-        prompt=prompt, prefixes=prefixes, composition=body.composition, weigh_from=weigh_from,
+        prompt=prompt, prefixes=prefixes, composition=composition, weigh_from=weigh_from,
         cartridge_tokens=cartridge_tokens,
         max_new_tokens=requested,
         stop=[s for s in stop if s], top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
@@ -119,15 +125,24 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
     )
 
 
+def _searched(serving: Serving, user: Principal, record: Any, parts: list[Any], query: str) -> list[Any]:
+    """The part of a cartridge trained in parts that the query is about (`composition: "search"`),
+    or all its parts, composed by mixture, where the search cannot say (see Passages.find_part)."""
+    if len(parts) < 2:
+        return parts
+    found = serving.passages.find_part(user, record, serving.model.tokenizer, len(parts), query)
+    return parts if found is None else [parts[found]]
+
+
 def _with_passages(serving: Serving, user: Principal, records: list[Any], messages: list[dict[str, str]],
-                   top_k: int) -> tuple[list[dict[str, str]], list[Passage]]:
-    """The messages with the passages that best match the last user message in a system message
-    in front (a system message of the caller's follows them in the same message), and the passages."""
+                   query: str, top_k: int) -> tuple[list[dict[str, str]], list[Passage]]:
+    """The messages with the passages that best match `query` (the last user message) in a system
+    message in front (a system message of the caller's follows them in the same message), and the
+    passages."""
     if not records:
         raise APIError(400, "`retrieval` searches the training files of the request's cartridges, and it names "
                        "none: give a cartridge as `model` or in `cartridges`, or leave out `retrieval`.",
                        code="invalid_value", param="retrieval")
-    query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
     passages = serving.passages.search(user, records, serving.model.tokenizer, query, top_k) if query.strip() else []
     if not passages:
         return messages, []

@@ -1,24 +1,28 @@
-"""Retrieval in chat (docs/api.md §4.3): the passages of the cartridges' own training files that
-best match the user's last message, put in the prompt behind the cartridges.
+"""Search over the cartridges' own training files in chat (docs/api.md §4.3): the passages that
+best match the user's last message, put in the prompt behind the cartridges (`retrieval`), and
+the part of a cartridge trained in parts that the message is about (`composition: "search"`).
 
 The index of a set of cartridges is built on first use (chunks of ~300 tokens, BM25) and kept
-for the next requests; every request checks first that the caller still has each training file,
-so that a deleted file's text is never served."""
+for the next requests; every request for passages checks first that the caller still has each
+training file, so that a deleted file's text is never served. The index of a cartridge's parts
+serves no text: it only names a part."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from cartridges.parts import PartSearch, corpus_parts
 from cartridges.retrieval import Retriever
 from cartridges.selfstudy.chunking import named_texts
 from cartridges.server.errors import APIError
 from cartridges.server.principal import Principal
 from cartridges.store import core
 
-MAX_INDEXES = 32  # sets of cartridges whose index stays in memory (a 100K-token corpus: a few MB)
+MAX_INDEXES = 32  # sets of cartridges (and cartridges' parts) whose index stays in memory (a 100K-token corpus: a few MB)
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class Passages:
     def __init__(self, store: Any) -> None:
         self.store = store
         self._indexes: OrderedDict[tuple[str, ...], tuple[Retriever, list[Origin]]] = OrderedDict()
+        self._part_indexes: OrderedDict[str, PartSearch | None] = OrderedDict()
         self._lock = threading.Lock()
 
     def search(self, principal: Principal, records: list[Any], tokenizer: Any, query: str, k: int) -> list[Passage]:
@@ -69,6 +74,38 @@ class Passages:
                     self._indexes.popitem(last=False)
         index, origins = entry
         return [Passage(hit.text, hit.score, origins[hit.source]) for hit in index.hits(query, k)]
+
+    def find_part(self, principal: Principal, record: Any, tokenizer: Any, parts: int, query: str) -> int | None:
+        """Which of the `parts` parts of `record`'s cartridge `query` is about: BM25 over the parts
+        as its training cut them (its training files, joined as training joins them, cut by
+        `corpus_parts` at the datablock's `part_tokens`). None when the query shares no word
+        with them, or the parts cannot be rebuilt: a cartridge imported from a file (no
+        training files), a training file since deleted, or a cut that no longer gives `parts`
+        parts. Blocking."""
+        with self._lock:
+            known = record.id in self._part_indexes
+            search = self._part_indexes.get(record.id)
+            if known:
+                self._part_indexes.move_to_end(record.id)
+        if not known:
+            search = self._part_search(principal, record, tokenizer, parts)
+            with self._lock:
+                self._part_indexes[record.id] = search
+                while len(self._part_indexes) > MAX_INDEXES:
+                    self._part_indexes.popitem(last=False)
+        return search.find(query) if search is not None and query.strip() else None
+
+    def _part_search(self, principal: Principal, record: Any, tokenizer: Any, parts: int) -> PartSearch | None:
+        part_tokens = json.loads(record.config or "{}").get("part_tokens")
+        if not record.training_files or not isinstance(part_tokens, int):
+            return None
+        try:
+            files = [self.store.get_file(principal.owner, file_id) for file_id in record.training_files]
+            texts = named_texts([(f.filename, self.store.file_text(principal.owner, f.id)) for f in files])
+        except core().NotFoundError:
+            return None
+        texts_of_parts = corpus_parts(tokenizer, texts, part_tokens)
+        return PartSearch(tokenizer, texts_of_parts) if len(texts_of_parts) == parts else None
 
     def _checked_file(self, principal: Principal, record: Any, file_id: str) -> Any:
         try:
