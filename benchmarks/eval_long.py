@@ -19,7 +19,9 @@ Conditions, scored on the same questions by the scorer of eval_cartridge.py (eva
   parts-route          the same parts composed by route: the part the mixture weighs most before
                        the reply decodes it alone (chat's `composition: "route"`)
   parts-search         the same parts, the one BM25 over their own text ranks first for the
-                       question alone in front (`cartridges.parts.PartSearch`)
+                       question alone in front (`cartridges.parts.PartSearch`; chat's
+                       `composition: "search"`)
+  parts-search+retrieval  that part in front and the retrieved chunks in the prompt
 "recovered" = (condition - none) / (oracle - none) on log p(gold) per token: overall, per
 section and per question kind, next to the exact-answer rate (the gold in a greedy reply).
 A bar chart per document (one group of bars per section) goes to --plot-dir (docs/images for a
@@ -54,7 +56,7 @@ DOCS_DIR = Path(__file__).resolve().parent / "eval_docs" / "long"
 ALL_DOCS = ("atlas", "chronicle", "rulebook", "almanac", "lighthouse", "university", "navigation")
 DEFAULT_TUNE = ("atlas", "chronicle")  # the other documents are held out from every tuning decision
 KINDS = ("literal", "numeric", "paraphrase", "yes_no", "multi_hop")
-PARTS_CONDITIONS = ("parts", "parts-route", "parts-search")
+PARTS_CONDITIONS = ("parts", "parts-route", "parts-search", "parts-search+retrieval")
 CONDITIONS = ("none", "truncation", "retrieval", "oracle", "init", "cartridge", "cartridge+retrieval", *PARTS_CONDITIONS)
 DEFAULT_CONDITIONS = CONDITIONS[:-len(PARTS_CONDITIONS)]  # parts train a cartridge per part as well: asked for by name
 PLOTTED = ("none", "truncation", "retrieval", "oracle", "cartridge", "cartridge+retrieval", "parts")
@@ -207,9 +209,11 @@ def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split
         holding = [{j for j, t in enumerate(texts) if section.splitlines()[0] in t} for section in doc.sections]
         parts["search_finds_section"] = sum(any(j in holding[s - 1] for s in q.sections)
                                             for j, q in zip(found, questions)) / len(questions)
-        runs["parts-search"] = functools.partial(evaluate_each, model, questions, [
-            Condition(prefixes=prefixes) if j is None else Condition(prefixes=(prefixes[j],)) for j in found],
-            args.max_reply)
+        searched = [prefixes if j is None else (prefixes[j],) for j in found]
+        runs["parts-search"] = functools.partial(evaluate_each, model, questions,
+                                                 [Condition(prefixes=p) for p in searched], args.max_reply)
+        runs["parts-search+retrieval"] = functools.partial(evaluate_each, model, questions, [
+            Condition(system=passages_prompt(r), prefixes=p) for r, p in zip(retrieved, searched)], args.max_reply)
     if args.baselines_only:
         cart = initialization()
     elif not {"cartridge", "cartridge+retrieval"} & set(args.conditions):

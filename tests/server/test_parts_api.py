@@ -124,6 +124,26 @@ def test_search_answers_from_the_part_the_question_is_about(chat_server: LiveSer
     assert vague.usage.prompt_tokens_details.cached_tokens == block["num_tokens"]
 
 
+def test_the_terminal_chat_searches_on_a_server_and_says_why_not_here(chat_server: LiveServer, trained) -> None:
+    from .test_chat_cli import chat
+    from .test_chat_retrieval import _cached_tokens
+
+    block = trained["block"]
+    question = "What does Dunstable keep?"
+    expected = chat_server.openai(trained["key"]).chat.completions.create(
+        model=block["id"], messages=[{"role": "user", "content": question}], temperature=0, max_tokens=8,
+        extra_body={"composition": "search"})
+    before = _cached_tokens(chat_server)
+    done = chat("--server", chat_server.url, "--api-key", trained["key"], "--model", block["id"], "--composition",
+                "search", "--max-tokens", "8", "--temperature", "0", stdin=f"{question}\n/exit\n")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == expected.choices[0].message.content.strip()
+    # One part's KV in front, not every part's: the composition went with the --model cartridge.
+    assert _cached_tokens(chat_server) - before == expected.usage.prompt_tokens_details.cached_tokens < block["num_tokens"]
+    local = chat("--composition", "search", stdin="")
+    assert local.returncode == 2 and "--composition search is for --server" in local.stderr
+
+
 def test_its_file_downloads_whole_and_single_cartridge_formats_are_refused(chat_server: LiveServer, trained,
                                                                             tmp_path) -> None:
     block = trained["block"]

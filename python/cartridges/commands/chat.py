@@ -37,11 +37,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "a cartridge id of that server (not a file); give several (after one --cartridge or "
                         "repeated) to compose them (see --composition); a file of `cartridges train --parts` "
                         "brings all its parts, composed by mixture")
-    parser.add_argument("--composition", choices=["mixture", "route", "concatenate"], default="mixture",
+    parser.add_argument("--composition", choices=["mixture", "route", "search", "concatenate"], default="mixture",
                         help="how several cartridges are composed: mixture (each reads the conversation on its own "
                         "and the one that explains it best speaks; the default), route (as mixture while the "
                         "prompt is read, then the heaviest cartridge alone: one sequence, faster for the parts of "
-                        "`cartridges train --parts`) or concatenate (their KV one after another, in order)")
+                        "`cartridges train --parts`), search (with --server: of a cartridge trained in parts, the "
+                        "part whose training text best matches each message, found by BM25 before the prompt is "
+                        "read: one cartridge's speed) or concatenate (their KV one after another, in order)")
     parser.add_argument("--retrieval", metavar="K", type=int, nargs="?", const=4, default=None,
                         help="with --server: also put in the prompt the K passages (default 4) of the cartridges' "
                         "training files that best match each message (BM25), behind the cartridges; worth it on "
@@ -88,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
         if given:
             print(f"error: {name} is for --server", file=sys.stderr)
             return 2
+    if args.composition == "search":
+        print("error: --composition search is for --server: the server searches a cartridge's training files, "
+              "and a cartridge file holds no text", file=sys.stderr)
+        return 2
     missing = [path for path in args.cartridge if not Path(path).is_file()]
     if missing:  # before the model loads
         print(f"error: {missing[0]}: no such cartridge file (a datablock id needs --server)", file=sys.stderr)
@@ -182,7 +188,9 @@ def _run_server(args: argparse.Namespace) -> int:
         options["seed"] = args.seed
     extra: dict[str, Any] = {}
     if args.cartridge:
-        extra.update(cartridges=list(args.cartridge), composition=args.composition)
+        extra["cartridges"] = list(args.cartridge)
+    if args.cartridge or args.composition != "mixture":  # --model may name a cartridge in parts
+        extra["composition"] = args.composition
     if args.retrieval is not None:
         extra["retrieval"] = {"top_k": args.retrieval, **({"passages_only": True} if args.passages_only else {})}
     if extra:
