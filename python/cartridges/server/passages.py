@@ -22,7 +22,7 @@ from cartridges.server.errors import APIError
 from cartridges.server.principal import Principal
 from cartridges.store import core
 
-MAX_INDEXES = 32  # sets of cartridges (and cartridges' parts) whose index stays in memory (a 100K-token corpus: a few MB)
+MAX_INDEXES = 32  # indexes of sets of cartridges (and of parts) kept in memory (a 100K-token corpus: a few MB)
 
 
 @dataclass(frozen=True)
