@@ -93,7 +93,8 @@ class ChatCompletionRequest(BaseModel):
         "(one sequence and its KV: several times faster for a cartridge trained in parts, a little less of its gain). "
         "`search`: of a cartridge trained in parts, only the part that BM25 over the parts' own training text ranks "
         "first for the last user message is used (one part's KV and speed, the prompt read once; about the "
-        "mixture's quality); where the search cannot say, all its parts by `mixture`. "
+        "mixture's quality); where the search cannot say, all its parts by `mixture`; the response's `search` field "
+        "names the part. "
         "`concatenate`: their KV one after another in front of one sequence, in order (cheaper, but trained "
         "cartridges pull every question to themselves). A cartridge trained in parts counts as its parts, and is "
         "composed by `mixture`, `route` or `search` only.")

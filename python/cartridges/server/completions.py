@@ -47,6 +47,7 @@ class Plan:
     sampling: dict[str, float] = field(default_factory=dict)
     logit_bias: dict[int, float] = field(default_factory=dict)
     passages: list[Passage] | None = None  # what retrieval put in the prompt; None: not asked for
+    searched: list[dict[str, Any]] | None = None  # the part found per cartridge in parts; None: not asked for
 
 
 def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> Plan:
@@ -78,8 +79,15 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
     messages = [{"role": "system" if m.role == "developer" else m.role,
                  "content": _content(serving, user, m.content, i, files_deadline)} for i, m in enumerate(body.messages)]
     query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+    searched = None
     if body.composition == "search":
-        parts_of = [_searched(serving, user, record, parts, query) for record, parts in zip(records, parts_of)]
+        searched = []
+        for i, (record, parts) in enumerate(zip(records, parts_of)):
+            if len(parts) > 1:
+                found = serving.passages.find_part(user, record, model.tokenizer, len(parts), query)
+                searched.append({"cartridge": record.id, "part": None if found is None else found + 1,
+                                 "parts": len(parts)})
+                parts_of[i] = parts if found is None else [parts[found]]
     prefixes = [prefix for parts in parts_of for prefix in parts]
     cartridge_tokens = sum(prefix.num_tokens for prefix in prefixes)
     composition = "mixture" if body.composition == "search" else body.composition
@@ -122,16 +130,8 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
                   "top_p": 1.0 if body.top_p is None else body.top_p},
         logit_bias=logit_bias,
         passages=passages,
+        searched=searched,
     )
-
-
-def _searched(serving: Serving, user: Principal, record: Any, parts: list[Any], query: str) -> list[Any]:
-    """The part of a cartridge trained in parts that the query is about (`composition: "search"`),
-    or all its parts, composed by mixture, where the search cannot say (see Passages.find_part)."""
-    if len(parts) < 2:
-        return parts
-    found = serving.passages.find_part(user, record, serving.model.tokenizer, len(parts), query)
-    return parts if found is None else [parts[found]]
 
 
 def _with_passages(serving: Serving, user: Principal, records: list[Any], messages: list[dict[str, str]],
@@ -239,13 +239,18 @@ class Answer:
                 "finish_reason": _finish_reason(stream),
             })
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices, "usage": self.usage(streams), **self.retrieval()}
+                "system_fingerprint": None, "choices": choices, "usage": self.usage(streams), **self.extensions()}
 
-    def retrieval(self) -> dict[str, Any]:
-        """Extension: the passages retrieval put in the prompt, when it was asked for (docs/api.md §4.3)."""
-        if self.plan.passages is None:
-            return {}
-        return {"retrieval": {"passages": [p.citation() for p in self.plan.passages]}}
+    def extensions(self) -> dict[str, Any]:
+        """Extensions, when asked for (docs/api.md §4.3): the passages retrieval put in the prompt,
+        and the part `composition: "search"` found for each cartridge in parts (null: all its
+        parts, by mixture)."""
+        out: dict[str, Any] = {}
+        if self.plan.passages is not None:
+            out["retrieval"] = {"passages": [p.citation() for p in self.plan.passages]}
+        if self.plan.searched is not None:
+            out["search"] = {"parts": self.plan.searched}
+        return out
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
               with_usage: bool = False, extra: dict[str, Any] | None = None) -> bytes:
@@ -348,8 +353,8 @@ async def events(streams: list[Stream], answer: Answer, include_usage: bool,
     watcher = asyncio.ensure_future(watch())
     arrivals = _arrivals(streams)
     try:
-        for index in range(len(streams)):  # the retrieved passages, once, on the very first chunk
-            yield one(index, {"role": "assistant", "content": ""}, extra=answer.retrieval() if index == 0 else None)
+        for index in range(len(streams)):  # the extensions (retrieved passages, parts found), once, first
+            yield one(index, {"role": "assistant", "content": ""}, extra=answer.extensions() if index == 0 else None)
         remaining = len(streams)
         while remaining:
             batch = await anext(arrivals)
@@ -499,7 +504,7 @@ class EventStream(StreamingResponse):
 
         watcher = asyncio.ensure_future(watch())
         try:
-            await write(one({"role": "assistant", "content": ""}, extra=answer.retrieval()))
+            await write(one({"role": "assistant", "content": ""}, extra=answer.extensions()))
             async with contextlib.aclosing(stream.batches()) as batches:
                 while True:
                     try:  # the stream's failures become an error event; the socket's are not caught
