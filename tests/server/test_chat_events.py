@@ -57,7 +57,7 @@ class FakeAnswer:
     def content_chunk(self, index, text, with_usage=False) -> bytes:
         return self.chunk([{"index": index, "delta": {"content": text}}])
 
-    def retrieval(self):
+    def extensions(self):
         return {}
 
     def logprobs(self, entries):
