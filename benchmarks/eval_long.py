@@ -18,9 +18,9 @@ Conditions, scored on the same questions by the scorer of eval_cartridge.py (eva
                        makes them past four contexts and a chat request on their file is answered
   parts-route          the same parts composed by route: the part the mixture weighs most before
                        the reply decodes it alone (chat's `composition: "route"`)
-  parts-search         the same parts, the one BM25 over their own text ranks first for the
-                       question alone in front (`cartridges.parts.PartSearch`; chat's
-                       `composition: "search"`)
+  parts-search         the same parts, the one BM25 over their own text finds for the question
+                       (`cartridges.parts.PartSearch`: the best chunk's part; parts that tie,
+                       by mixture) alone in front; chat's `composition: "search"`
   parts-search+retrieval  that part in front and the retrieved chunks in the prompt
 "recovered" = (condition - none) / (oracle - none) on log p(gold) per token: overall, per
 section and per question kind, next to the exact-answer rate (the gold in a greedy reply).
@@ -207,9 +207,10 @@ def evaluate_document(model, doc: LongDocument, config: TrainConfig, args, split
                                            Condition(prefixes=prefixes, composition=composition), args.max_reply)
         found = PartSearch(model.tokenizer, texts).find_many([q.question for q in questions])
         holding = [{j for j, t in enumerate(texts) if section.splitlines()[0] in t} for section in doc.sections]
-        parts["search_finds_section"] = sum(any(j in holding[s - 1] for s in q.sections)
-                                            for j, q in zip(found, questions)) / len(questions)
-        searched = [prefixes if j is None else (prefixes[j],) for j in found]
+        parts["search_finds_section"] = sum(any(j in holding[s - 1] for j in js for s in q.sections)
+                                            for js, q in zip(found, questions)) / len(questions)
+        parts["search_parts_per_question"] = sum(len(js) or len(texts) for js in found) / len(questions)
+        searched = [tuple(prefixes[j] for j in js) or prefixes for js in found]  # none found: every part
         runs["parts-search"] = functools.partial(evaluate_each, model, questions,
                                                  [Condition(prefixes=p) for p in searched], args.max_reply)
         runs["parts-search+retrieval"] = functools.partial(evaluate_each, model, questions, [
@@ -302,8 +303,9 @@ def print_tables(name: str, d: dict) -> None:
               if d.get("kv") else "") + (
               f"; parts of {', '.join(map(str, d['parts']['tokens']))} tokens, cartridges of "
               f"{', '.join(map(str, d['parts']['cartridge_tokens']))}" if d.get("parts") else "") + (
-              f"; the part searched for holds the question's section for "
+              f"; the parts searched for hold the question's section for "
               f"{d['parts']['search_finds_section']:.0%} of the questions"
+              f" ({d['parts'].get('search_parts_per_question', 1):.2f} parts a question)"
               if (d.get("parts") or {}).get("search_finds_section") is not None else "") + "\n")
     print("| condition | log p/token | exact answers | exact, other than yes/no | recovered |\n|---|---|---|---|---|")
     for c in conds:

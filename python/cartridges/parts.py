@@ -204,24 +204,39 @@ def remaining_estimate(elapsed_s: float, sizes: Sequence[int], done: int) -> str
     return f"about {amount} for the last part" if others == 1 else f"about {amount} for the other {others} parts"
 
 
-class PartSearch:
-    """Which part of a corpus a question is about, by BM25 over the parts' own text: the part
-    of the chunk that ranks first (the chunks and the ranking of `cartridges.retrieval`). On the
-    suite's documents past four contexts it names a part that holds the question's section for
-    94-99% of the questions, in parts of one or two contexts. Choosing the part from the
-    question alone lets a chat read its prompt behind that one part, where a mixture or a route
-    reads it once per part."""
+# A part whose best chunk scores at least this share of the best chunk's is found too: at 1.0,
+# only a tie (a passage that two parts share). Within 10% (0.9) the questions BM25 sends to another part than their own
+# mostly find theirs too (98-100% against 94-99%, 1.04-1.09 parts a question), but the answers
+# gained nothing on the held-out corpus (docs/experiments.md, "Does choosing a cartridge's part
+# by BM25 keep the mixture's quality?").
+NEAR_TIE = 1.0
 
-    def __init__(self, tokenizer: Any, texts_of_parts: Sequence[str]) -> None:
+
+class PartSearch:
+    """Which part of a corpus a question is about, by BM25 over the parts' own text (the chunks
+    and the ranking of `cartridges.retrieval`): the part of the best chunk, and any other part
+    whose best chunk scores at least `near_tie` times as much. On the suite's documents past
+    four contexts the part of the best chunk holds the question's section for 94-99% of the
+    questions, in parts of one or two contexts. Choosing the part from the question alone lets a
+    chat read its prompt behind that part, where a mixture or a route reads it once per part."""
+
+    def __init__(self, tokenizer: Any, texts_of_parts: Sequence[str], near_tie: float = NEAR_TIE) -> None:
         from .retrieval import Retriever
 
         self.parts = len(texts_of_parts)
+        self.near_tie = near_tie
         self._retriever = Retriever.from_texts(tokenizer, texts_of_parts)
 
-    def find_many(self, questions: Sequence[str]) -> list[int | None]:
-        """Per question, the index of its part; None where no chunk shares a word with it
-        (a question of stop words alone)."""
-        return [hits[0].source if hits else None for hits in self._retriever.hits_many(questions, 1)]
+    def find_many(self, questions: Sequence[str]) -> list[list[int]]:
+        """Per question, the indexes of its candidate parts, the best first; none where no chunk
+        shares a word with it (a question of stop words alone)."""
+        found = []
+        for hits in self._retriever.hits_many(questions, len(self._retriever.chunks)):
+            best: dict[int, float] = {}
+            for hit in hits:
+                best.setdefault(hit.source, hit.score)
+            found.append([j for j, score in best.items() if score >= self.near_tie * hits[0].score])
+        return found
 
-    def find(self, question: str) -> int | None:
+    def find(self, question: str) -> list[int]:
         return self.find_many([question])[0]

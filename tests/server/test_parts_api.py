@@ -115,7 +115,7 @@ def test_search_answers_from_the_part_the_question_is_about(chat_server: LiveSer
     expected = model.generate([model.encode_chat(asked)], prefixes=[parts[last].prefix(model)], max_new_tokens=12,
                               logprobs=1)[0]
     assert reply.usage.prompt_tokens_details.cached_tokens == parts[last].num_tokens  # that part's KV alone
-    assert reply.model_extra["search"] == {"parts": [{"cartridge": block["id"], "part": last + 1, "parts": len(parts)}]}
+    assert reply.model_extra["search"] == {"cartridges": [{"id": block["id"], "parts": [last + 1], "of": len(parts)}]}
     assert reply.choices[0].message.content == expected.text
     assert [t.logprob for t in reply.choices[0].logprobs.content] == pytest.approx(
         [t.logprob for t in expected.logprobs], abs=1e-4)
@@ -123,7 +123,7 @@ def test_search_answers_from_the_part_the_question_is_about(chat_server: LiveSer
     vague = client.chat.completions.create(model=block["id"], messages=[{"role": "user", "content": "Who is it?"}],
                                            max_tokens=2, extra_body={"composition": "search"})
     assert vague.usage.prompt_tokens_details.cached_tokens == block["num_tokens"]
-    assert vague.model_extra["search"]["parts"][0]["part"] is None
+    assert vague.model_extra["search"]["cartridges"][0]["parts"] == list(range(1, len(parts) + 1))  # all of them
     # Streamed, the first chunk says which part; without `search` there is no such field.
     stream = client.chat.completions.create(model=block["id"], messages=asked, max_tokens=2, stream=True,
                                             extra_body={"composition": "search"})

@@ -73,8 +73,15 @@ def test_the_part_a_question_is_about_is_found_by_its_words():
     assert search.parts == len(parts) >= 3
     for n in range(1, 13):
         holding = [j for j, text in enumerate(parts) if f"## {n}. Section {n}" in text]
-        assert search.find(f"What does s{n}p1w7 follow in section {n}?") == holding[0]
-    assert search.find_many(["What is it?", "s12p3w0"]) == [None, len(parts) - 1]  # stop words alone: no part
+        assert search.find(f"What does s{n}p1w7 follow in section {n}?") == holding[:1]
+    assert search.find_many(["What is it?", "s12p3w0"]) == [[], [len(parts) - 1]]  # stop words alone: no part
+    # A passage two parts share ties them: both parts.
+    assert sorted(PartSearch(Words(), ["the quay rules", "the quay rules", "the tide tables"]).find("quay")) == [0, 1]
+    # With a looser tie, a near one brings the other part too, the better first; a clear lead does not.
+    near = PartSearch(Words(), parts, near_tie=0.9)
+    tie = near.find("s1p0w3 s12p0w3")
+    assert sorted(tie) == [0, len(parts) - 1] and search.find("s1p0w3 s12p0w3") == tie[:1]
+    assert near.find("s1p0w3 s12p0w3 s12p0w5") == [len(parts) - 1]
 
 
 def test_a_cartridge_is_trained_per_part(model, tmp_path):

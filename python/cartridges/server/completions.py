@@ -47,7 +47,7 @@ class Plan:
     sampling: dict[str, float] = field(default_factory=dict)
     logit_bias: dict[int, float] = field(default_factory=dict)
     passages: list[Passage] | None = None  # what retrieval put in the prompt; None: not asked for
-    searched: list[dict[str, Any]] | None = None  # the part found per cartridge in parts; None: not asked for
+    searched: list[dict[str, Any]] | None = None  # the parts found per cartridge in parts; None: not asked for
 
 
 def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> Plan:
@@ -80,14 +80,14 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
                  "content": _content(serving, user, m.content, i, files_deadline)} for i, m in enumerate(body.messages)]
     query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
     searched = None
-    if body.composition == "search":
+    if body.composition == "search":  # each cartridge in parts: the parts the query is about, or all
         searched = []
         for i, (record, parts) in enumerate(zip(records, parts_of)):
             if len(parts) > 1:
-                found = serving.passages.find_part(user, record, model.tokenizer, len(parts), query)
-                searched.append({"cartridge": record.id, "part": None if found is None else found + 1,
-                                 "parts": len(parts)})
-                parts_of[i] = parts if found is None else [parts[found]]
+                found = serving.passages.find_parts(user, record, model.tokenizer, len(parts), query) \
+                    or list(range(len(parts)))
+                searched.append({"id": record.id, "parts": [j + 1 for j in found], "of": len(parts)})
+                parts_of[i] = [parts[j] for j in found]
     prefixes = [prefix for parts in parts_of for prefix in parts]
     cartridge_tokens = sum(prefix.num_tokens for prefix in prefixes)
     composition = "mixture" if body.composition == "search" else body.composition
@@ -243,13 +243,12 @@ class Answer:
 
     def extensions(self) -> dict[str, Any]:
         """Extensions, when asked for (docs/api.md §4.3): the passages retrieval put in the prompt,
-        and the part `composition: "search"` found for each cartridge in parts (null: all its
-        parts, by mixture)."""
+        and the parts `composition: "search"` used of each cartridge in parts."""
         out: dict[str, Any] = {}
         if self.plan.passages is not None:
             out["retrieval"] = {"passages": [p.citation() for p in self.plan.passages]}
         if self.plan.searched is not None:
-            out["search"] = {"parts": self.plan.searched}
+            out["search"] = {"cartridges": self.plan.searched}
         return out
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,

@@ -75,13 +75,13 @@ class Passages:
         index, origins = entry
         return [Passage(hit.text, hit.score, origins[hit.source]) for hit in index.hits(query, k)]
 
-    def find_part(self, principal: Principal, record: Any, tokenizer: Any, parts: int, query: str) -> int | None:
-        """Which of the `parts` parts of `record`'s cartridge `query` is about: BM25 over the parts
-        as its training cut them (its training files, joined as training joins them, cut by
-        `corpus_parts` at the datablock's `part_tokens`). None when the query shares no word
-        with them, or the parts cannot be rebuilt: a cartridge imported from a file (no
-        training files), a training file since deleted, or a cut that no longer gives `parts`
-        parts. Blocking."""
+    def find_parts(self, principal: Principal, record: Any, tokenizer: Any, parts: int, query: str) -> list[int]:
+        """Which of the `parts` parts of `record`'s cartridge `query` is about (`PartSearch`, the
+        best first): BM25 over the parts as its training cut them (its training files, joined as
+        training joins them, cut by `corpus_parts` at the datablock's `part_tokens`). None (an
+        empty list) when the query shares no word with them, or the parts cannot be rebuilt: a
+        cartridge imported from a file (no training files), a training file since deleted, or a
+        cut that no longer gives `parts` parts. Blocking."""
         with self._lock:
             known = record.id in self._part_indexes
             search = self._part_indexes.get(record.id)
@@ -93,7 +93,7 @@ class Passages:
                 self._part_indexes[record.id] = search
                 while len(self._part_indexes) > MAX_INDEXES:
                     self._part_indexes.popitem(last=False)
-        return search.find(query) if search is not None and query.strip() else None
+        return search.find(query) if search is not None and query.strip() else []
 
     def _part_search(self, principal: Principal, record: Any, tokenizer: Any, parts: int) -> PartSearch | None:
         part_tokens = json.loads(record.config or "{}").get("part_tokens")
