@@ -145,6 +145,8 @@ def test_the_terminal_chat_searches_on_a_server_and_says_why_not_here(chat_serve
                 "search", "--max-tokens", "8", "--temperature", "0", stdin=f"{question}\n/exit\n")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == expected.choices[0].message.content.strip()
+    [used] = expected.model_extra["search"]["cartridges"]
+    assert f"(part {used['parts'][0]} of {used['of']} of {block['id']})" in done.stderr  # which part answered
     # One part's KV in front, not every part's: the composition went with the --model cartridge.
     assert _cached_tokens(chat_server) - before == expected.usage.prompt_tokens_details.cached_tokens < block["num_tokens"]
     local = chat("--composition", "search", stdin="")

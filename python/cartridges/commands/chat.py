@@ -203,14 +203,18 @@ def _run_server(args: argparse.Namespace) -> int:
             with client.chat.completions.create(model=model, messages=messages, stream=True,  # type: ignore[call-overload]
                                                 **options) as stream:
                 sources: list[str] = []
+                parts: list[str] = []
                 for chunk in stream:
                     sources += _passage_files(chunk)
+                    parts += _searched_parts(chunk)
                     for choice in chunk.choices:
                         if choice.index == 0 and choice.delta.content:
                             yield choice.delta.content
                 if args.retrieval is not None:  # on stderr, so that stdout holds the replies alone
                     found = ", ".join(dict.fromkeys(sources)) or "none matched the message"
                     print(f"\n(passages: {found})", end="", file=sys.stderr, flush=True)
+                if parts:  # composition search: which parts answered
+                    print(f"\n({'; '.join(parts)})", end="", file=sys.stderr, flush=True)
         except (openai.AuthenticationError, openai.PermissionDeniedError, openai.APIConnectionError) as error:
             raise FatalError(_describe(error, base)) from None
         except openai.APIError as error:
@@ -224,6 +228,14 @@ def _passage_files(chunk: Any) -> list[str]:
     """The files of the passages retrieval put in the prompt, from the stream's first chunk."""
     retrieval = (chunk.model_extra or {}).get("retrieval") or {}
     return [p.get("filename") or p.get("file_id", "?") for p in retrieval.get("passages", [])]
+
+
+def _searched_parts(chunk: Any) -> list[str]:
+    """The parts `composition: "search"` used of each cartridge in parts, from the stream's first
+    chunk: "part 3 of 5 of alice/annals/q8w2e4r6t1yu"."""
+    search = (chunk.model_extra or {}).get("search") or {}
+    return [f"part{'s' if len(c['parts']) > 1 else ''} {', '.join(map(str, c['parts']))} of {c['of']} of {c['id']}"
+            for c in search.get("cartridges", [])]
 
 
 def _base_url(url: str) -> str:
