@@ -78,7 +78,7 @@ class Passages:
     def find_parts(self, principal: Principal, record: Any, tokenizer: Any, parts: int, query: str) -> list[int]:
         """Which of the `parts` parts of `record`'s cartridge `query` is about (`PartSearch`, the
         best first): BM25 over the parts as its training cut them (its training files, joined as
-        training joins them, cut by `corpus_parts` at the datablock's `part_tokens`). None (an
+        training joins them, cut by `corpus_parts` at the datablock's `part_tokens`). No part (an
         empty list) when the query shares no word with them, or the parts cannot be rebuilt: a
         cartridge imported from a file (no training files), a training file since deleted, or a
         cut that no longer gives `parts` parts. Blocking."""
