@@ -7,6 +7,8 @@ refused, listed and unloaded as one cartridge."""
 from __future__ import annotations
 
 import io
+import json
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -16,6 +18,8 @@ import cartridges
 from cartridges import Client
 from cartridges.cartridge import load_cartridges
 from cartridges.parts import corpus_parts
+from cartridges.server.passages import Passages
+from cartridges.server.principal import Principal
 from cartridges.store import core, open_store
 
 from .conftest import LiveServer, upload_text
@@ -129,6 +133,38 @@ def test_search_answers_from_the_part_the_question_is_about(chat_server: LiveSer
                                             extra_body={"composition": "search"})
     assert [c.model_extra.get("search") for c in stream][0] == reply.model_extra["search"]
     assert "search" not in client.chat.completions.create(model=block["id"], messages=asked, max_tokens=2).model_extra
+
+
+def test_search_names_no_part_when_the_training_text_is_damaged_or_deleted(chat_server: LiveServer, model) -> None:
+    """Where the parts cannot be rebuilt from the training file, search says so (no part), and chat
+    answers by the mixture of every part as for a message of stop words: never a store error."""
+    key = chat_server.add_user()
+    marker = "Its last page was torn out."
+    file_id = upload_text(chat_server.openai(key), f"{CORPUS}\n\n{marker}", name="quelmor.md")
+    record = SimpleNamespace(id="dbk-searched", training_files=[file_id],
+                             config=json.dumps({"part_tokens": PART_TOKENS}))
+    texts = corpus_parts(model.tokenizer, f"{CORPUS}\n\n{marker}", PART_TOKENS)
+    last = next(j for j, text in enumerate(texts) if "Dunstable" in text)
+    admin = Principal(0, "admin", admin=True)
+    store = open_store(chat_server.data_dir)
+    try:
+        def found() -> list[int]:  # a fresh index each time: the server keeps one per cartridge
+            asked = "What does Dunstable keep?"
+            return Passages(store).find_parts(admin, record, model.tokenizer, len(texts), asked)
+
+        assert found() == [last]
+        blobs = [p for p in (chat_server.data_dir / "blobs").iterdir()
+                 if p.is_file() and marker.encode() in p.read_bytes()]
+        assert blobs
+        for blob in blobs:  # a flipped byte: the store's checksum no longer matches
+            damaged = bytearray(blob.read_bytes())
+            damaged[0] ^= 1
+            blob.write_bytes(bytes(damaged))
+        assert found() == []
+        store.delete_file(admin.owner, file_id)
+        assert found() == []
+    finally:
+        store.close()
 
 
 def test_the_terminal_chat_searches_on_a_server_and_says_why_not_here(chat_server: LiveServer, trained) -> None:

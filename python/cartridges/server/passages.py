@@ -10,6 +10,7 @@ serves no text: it only names a part."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from cartridges.server.errors import APIError
 from cartridges.server.principal import Principal
 from cartridges.store import core
 
+log = logging.getLogger("cartridges.server")
 MAX_INDEXES = 32  # indexes of sets of cartridges (and of parts) kept in memory (a 100K-token corpus: a few MB)
 
 
@@ -80,8 +82,8 @@ class Passages:
         best first): BM25 over the parts as its training cut them (its training files, joined as
         training joins them, cut by `corpus_parts` at the datablock's `part_tokens`). No part (an
         empty list) when the query shares no word with them, or the parts cannot be rebuilt: a
-        cartridge imported from a file (no training files), a training file since deleted, or a
-        cut that no longer gives `parts` parts. Blocking."""
+        cartridge imported from a file (no training files), a training file since deleted or
+        damaged in the store, or a cut that no longer gives `parts` parts. Blocking."""
         with self._lock:
             known = record.id in self._part_indexes
             search = self._part_indexes.get(record.id)
@@ -103,6 +105,9 @@ class Passages:
             files = [self.store.get_file(principal.owner, file_id) for file_id in record.training_files]
             texts = named_texts([(f.filename, self.store.file_text(principal.owner, f.id)) for f in files])
         except core().NotFoundError:
+            return None
+        except core().CorruptError as error:  # the request still has every part to answer by mixture
+            log.warning("cartridge %s: its parts cannot be searched: %s", record.id, error)
             return None
         texts_of_parts = corpus_parts(tokenizer, texts, part_tokens)
         return PartSearch(tokenizer, texts_of_parts) if len(texts_of_parts) == parts else None
