@@ -9,14 +9,15 @@ against 0.58-0.63 under two seeds (no gain), and on the held-out 49K-token canal
 against 0.47, for the parts' count times the KV and the same training time (docs/experiments.md,
 "Does a cartridge per part of a long corpus, composed by mixture, remember more of it?" and
 "Should a corpus past four contexts train in parts by default?"). The parts are kept as one
-cartridge file (`cartridges.save_cartridges`); a chat on it is answered by the mixture of its
-parts, which puts its weight on the part the question is about; a question that joins two parts
-is answered from one of them. Where the parts' text is at hand, `PartSearch` finds that part
-from the question alone (the server's `composition: "search"`): one part's cost, about the
-mixture's quality (docs/experiments.md, "Does choosing a cartridge's part by BM25 keep the
-mixture's quality?"). They are not to be concatenated: parts trained apart read as one
-cartridge recover half as much. The CLI and the server train a corpus this way when it holds
-more than four of the model's contexts and the user did not say (`in_parts_by_default`).
+cartridge file (`cartridges.save_cartridges`). Where the parts' text is at hand, `PartSearch`
+finds the part a question is about from the question alone, and that part answers: one part's
+cost, about the mixture's quality (the server's default, `composition: "search"`;
+docs/experiments.md, "Should search be the chat's default for a cartridge in parts?"). Without
+it (the library, a local chat) the parts are composed by mixture, which puts its weight on the
+part the question is about. Either way a question that joins two parts is answered from one of
+them. They are not to be concatenated: parts trained apart read as one cartridge recover half
+as much. The CLI and the server train a corpus this way when it holds more than four of the
+model's contexts and the user did not say (`in_parts_by_default`).
 """
 
 from __future__ import annotations
@@ -152,11 +153,11 @@ def train_parts(
     """A cartridge per part of the corpus (`corpus_parts`, parts of about `max_part_tokens`:
     by default `default_part_tokens(model)`), each trained by `train` with `config` decided for
     its own part; a corpus that fits in one part gets one cartridge, as `train` makes it. Save
-    them as one file with `save_cartridges` and serve them together, composed by mixture (the
-    chat's default composition). `progress` shows which part trains, its bar, and after each part
-    the time the others will take. With `checkpoint`, part j of k keeps its training state at
-    CHECKPOINT.partJofK (and `resume` continues each part from its own). `on_trained(j, k,
-    cartridge)` is called as soon as part j of k is trained."""
+    them as one file with `save_cartridges` and chat with them together: the part `PartSearch`
+    finds for each question, or all of them composed by mixture. `progress` shows which part
+    trains, its bar, and after each part the time the others will take. With `checkpoint`, part
+    j of k keeps its training state at CHECKPOINT.partJofK (and `resume` continues each part
+    from its own). `on_trained(j, k, cartridge)` is called as soon as part j of k is trained."""
     from .training import train
 
     texts_of_parts = corpus_parts(model.tokenizer, texts, max_part_tokens or default_part_tokens(model))

@@ -82,9 +82,10 @@ def test_chat_composes_the_parts_by_mixture_exactly_as_the_library(chat_server: 
     block = trained["block"]
     client = chat_server.openai(trained["key"])
     reply = client.chat.completions.create(model=block["id"], messages=MESSAGES, temperature=0, max_tokens=12,
-                                           logprobs=True)
+                                           logprobs=True, extra_body={"composition": "mixture"})
     parts = stored_parts(chat_server, block["id"])
     assert reply.usage.prompt_tokens_details.cached_tokens == block["num_tokens"]
+    assert "search" not in reply.model_extra  # only a search names parts
     expected = model.generate([model.encode_chat(MESSAGES)], prefixes=[p.prefix(model) for p in parts],
                               max_new_tokens=12, logprobs=1, weigh_from=[model.conversation_start(MESSAGES)])[0]
     assert reply.choices[0].message.content == expected.text
@@ -128,11 +129,15 @@ def test_search_answers_from_the_part_the_question_is_about(chat_server: LiveSer
                                            max_tokens=2, extra_body={"composition": "search"})
     assert vague.usage.prompt_tokens_details.cached_tokens == block["num_tokens"]
     assert vague.model_extra["search"]["cartridges"][0]["parts"] == list(range(1, len(parts) + 1))  # all of them
-    # Streamed, the first chunk says which part; without `search` there is no such field.
+    # Streamed, the first chunk says which part.
     stream = client.chat.completions.create(model=block["id"], messages=asked, max_tokens=2, stream=True,
                                             extra_body={"composition": "search"})
     assert [c.model_extra.get("search") for c in stream][0] == reply.model_extra["search"]
-    assert "search" not in client.chat.completions.create(model=block["id"], messages=asked, max_tokens=2).model_extra
+    # Search is the default: a request that does not say gets the same reply from the same part.
+    default = client.chat.completions.create(model=block["id"], messages=asked, temperature=0, max_tokens=12)
+    assert default.choices[0].message.content == reply.choices[0].message.content
+    assert default.model_extra["search"] == reply.model_extra["search"]
+    assert default.usage.prompt_tokens_details.cached_tokens == parts[last].num_tokens
 
 
 def test_search_names_no_part_when_the_training_text_is_damaged_or_deleted(chat_server: LiveServer, model) -> None:
@@ -177,13 +182,14 @@ def test_the_terminal_chat_searches_on_a_server_and_says_why_not_here(chat_serve
         model=block["id"], messages=[{"role": "user", "content": question}], temperature=0, max_tokens=8,
         extra_body={"composition": "search"})
     before = _cached_tokens(chat_server)
-    done = chat("--server", chat_server.url, "--api-key", trained["key"], "--model", block["id"], "--composition",
-                "search", "--max-tokens", "8", "--temperature", "0", stdin=f"{question}\n/exit\n")
+    # Without --composition the server's default: search.
+    done = chat("--server", chat_server.url, "--api-key", trained["key"], "--model", block["id"], "--max-tokens", "8",
+                "--temperature", "0", stdin=f"{question}\n/exit\n")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == expected.choices[0].message.content.strip()
     [used] = expected.model_extra["search"]["cartridges"]
     assert f"(part {used['parts'][0]} of {used['of']} of {block['id']})" in done.stderr  # which part answered
-    # One part's KV in front, not every part's: the composition went with the --model cartridge.
+    # One part's KV in front, not every part's.
     assert _cached_tokens(chat_server) - before == expected.usage.prompt_tokens_details.cached_tokens < block["num_tokens"]
     local = chat("--composition", "search", stdin="")
     assert local.returncode == 2 and "--composition search is for --server" in local.stderr
@@ -220,17 +226,17 @@ def test_its_file_imports_as_a_cartridge_in_parts(chat_server: LiveServer, train
     assert imported["parts"] is True and imported["imported_from"] == "parts.safetensors"
     assert imported["num_tokens"] == block["num_tokens"]
     assert [p["num_tokens"] for p in imported["metrics"]["parts"]] == [p["num_tokens"] for p in block["metrics"]["parts"]]
-    # It answers as the datablock it came from.
-    asked = dict(messages=MESSAGES, temperature=0, max_tokens=8)
+    # It answers as the datablock it came from, by mixture.
+    asked = dict(messages=MESSAGES, temperature=0, max_tokens=8, extra_body={"composition": "mixture"})
     theirs = chat_server.openai(key).chat.completions.create(model=imported["id"], **asked)
     ours = chat_server.openai(trained["key"]).chat.completions.create(model=block["id"], **asked)
     assert theirs.choices[0].message.content == ours.choices[0].message.content
     assert theirs.usage.prompt_tokens_details.cached_tokens == block["num_tokens"]
-    # Imported, it has no training files to search: `search` composes all its parts by mixture.
+    # Imported, it has no training files to search: `search` (the default) composes all its parts by mixture.
     searched = chat_server.openai(key).chat.completions.create(
-        model=imported["id"], messages=[{"role": "user", "content": "What does Dunstable keep?"}], max_tokens=2,
-        extra_body={"composition": "search"})
+        model=imported["id"], messages=[{"role": "user", "content": "What does Dunstable keep?"}], max_tokens=2)
     assert searched.usage.prompt_tokens_details.cached_tokens == block["num_tokens"]
+    assert searched.model_extra["search"]["cartridges"][0]["parts"] == list(range(1, len(block["metrics"]["parts"]) + 1))
 
 
 def test_a_corpus_within_one_part_is_one_cartridge(chat_server: LiveServer, trained) -> None:
@@ -245,6 +251,9 @@ def test_a_corpus_within_one_part_is_one_cartridge(chat_server: LiveServer, trai
     reply = chat_server.openai(key).chat.completions.create(model=done["id"], messages=MESSAGES, max_tokens=2,
                                                              extra_body={"composition": "concatenate"})
     assert reply.usage.prompt_tokens_details.cached_tokens == TINY_TRAIN_CONFIG["num_tokens"]
+    # Nothing in parts to search: with the default composition the response names no part.
+    reply = chat_server.openai(key).chat.completions.create(model=done["id"], messages=MESSAGES, max_tokens=2)
+    assert "search" not in reply.model_extra
 
 
 def test_a_corpus_past_four_contexts_trains_in_parts_unless_told(chat_server: LiveServer, trained, model) -> None:

@@ -36,14 +36,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="a trained cartridge file (.safetensors, or a research .pt) as context; with --server, "
                         "a cartridge id of that server (not a file); give several (after one --cartridge or "
                         "repeated) to compose them (see --composition); a file of `cartridges train --parts` "
-                        "brings all its parts, composed by mixture")
-    parser.add_argument("--composition", choices=["mixture", "route", "search", "concatenate"], default="mixture",
-                        help="how several cartridges are composed: mixture (each reads the conversation on its own "
-                        "and the one that explains it best speaks; the default), route (as mixture while the "
-                        "prompt is read, then the heaviest cartridge alone: one sequence, faster for the parts of "
-                        "`cartridges train --parts`), search (with --server: of a cartridge trained in parts, the "
-                        "part whose training text best matches each message, found by BM25 before the prompt is "
-                        "read: one cartridge's speed) or concatenate (their KV one after another, in order)")
+                        "brings all its parts")
+    parser.add_argument("--composition", choices=["search", "mixture", "route", "concatenate"], default=None,
+                        help="how cartridges are composed: search (with --server, where it is the default: of a "
+                        "cartridge trained in parts, the part whose training text best matches each message, found "
+                        "by BM25 before the prompt is read: one cartridge's speed; several cartridges by mixture), "
+                        "mixture (each reads the conversation on its own and the one that explains it best speaks; "
+                        "the default without --server), route (as mixture while the prompt is read, then the "
+                        "heaviest cartridge alone: one sequence, faster for the parts of `cartridges train --parts`) "
+                        "or concatenate (their KV one after another, in order)")
     parser.add_argument("--retrieval", metavar="K", type=int, nargs="?", const=4, default=None,
                         help="with --server: also put in the prompt the K passages (default 4) of the cartridges' "
                         "training files that best match each message (BM25), behind the cartridges; worth it on "
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{model.name} ready. /reset clears the conversation, /exit quits.", file=sys.stderr)
 
     def reply(messages: list[dict[str, Any]]) -> Iterator[str]:
-        return model.stream_chat(messages, cartridges=prefixes, composition=args.composition,
+        return model.stream_chat(messages, cartridges=prefixes, composition=args.composition or "mixture",
                                  max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                  seed=args.seed)
 
@@ -189,7 +190,7 @@ def _run_server(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {}
     if args.cartridge:
         extra["cartridges"] = list(args.cartridge)
-    if args.cartridge or args.composition != "mixture":  # --model may name a cartridge in parts
+    if args.composition is not None:  # otherwise the server's default
         extra["composition"] = args.composition
     if args.retrieval is not None:
         extra["retrieval"] = {"top_k": args.retrieval, **({"passages_only": True} if args.passages_only else {})}

@@ -47,7 +47,7 @@ class Plan:
     sampling: dict[str, float] = field(default_factory=dict)
     logit_bias: dict[int, float] = field(default_factory=dict)
     passages: list[Passage] | None = None  # what retrieval put in the prompt; None: not asked for
-    searched: list[dict[str, Any]] | None = None  # the parts found per cartridge in parts; None: not asked for
+    searched: list[dict[str, Any]] | None = None  # the parts found per cartridge in parts; None: none searched
 
 
 def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> Plan:
@@ -88,6 +88,7 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
                     or list(range(len(parts)))
                 searched.append({"id": record.id, "parts": [j + 1 for j in found], "of": len(parts)})
                 parts_of[i] = [parts[j] for j in found]
+        searched = searched or None  # no cartridge in parts: nothing was searched, and the response says nothing
     prefixes = [prefix for parts in parts_of for prefix in parts]
     cartridge_tokens = sum(prefix.num_tokens for prefix in prefixes)
     composition = "mixture" if body.composition == "search" else body.composition
@@ -242,8 +243,8 @@ class Answer:
                 "system_fingerprint": None, "choices": choices, "usage": self.usage(streams), **self.extensions()}
 
     def extensions(self) -> dict[str, Any]:
-        """Extensions, when asked for (docs/api.md §4.3): the passages retrieval put in the prompt,
-        and the parts `composition: "search"` used of each cartridge in parts."""
+        """Extensions (docs/api.md §4.3): the passages retrieval put in the prompt, when asked for,
+        and the parts `composition: "search"` (the default) used of each cartridge in parts."""
         out: dict[str, Any] = {}
         if self.plan.passages is not None:
             out["retrieval"] = {"passages": [p.citation() for p in self.plan.passages]}
