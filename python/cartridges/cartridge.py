@@ -30,7 +30,8 @@ without `quality` loads with `quality` None; the checksum does not cover it.
 A corpus trained in parts (`cartridges.parts`) is one file of `format_version` 3 holding a
 cartridge per part: part j's tensors under `parts.{j}.` (`parts.0.layers.0.keys`, ...) and the
 metadata `num_parts` and `parts`, a JSON list of each part's metadata as above (its own
-checksum, config and quality). Such a cartridge is served with its parts composed by mixture:
+checksum, config and quality). Such a cartridge is served as its parts (on the server the part a
+question is about, by default; otherwise all of them composed by mixture):
 `load_cartridges` reads it as a list, `Cartridge.load` refuses it (`PartsFileError`), and older
 versions refuse it by its version rather than read it as one cartridge (parts trained apart and
 concatenated recover half as much).

@@ -1,5 +1,5 @@
-"""A corpus far beyond the context as parts, a cartridge trained for each and all of them
-composed by mixture when served.
+"""A corpus far beyond the context as parts, a cartridge trained for each, and a chat on them
+answered by the part its question is about.
 
 A cartridge per part of a corpus of five or six contexts can remember more of it than one for
 the whole: on the 53K-token chronicle four parts recover 0.66 of the oracle's gain against one

@@ -69,8 +69,8 @@ def prepare(serving: Serving, user: Principal, body: ChatCompletionRequest) -> P
         except CartridgeUnavailable as unavailable:
             raise unavailable.error from None
         if len(parts) > 1 and body.composition == "concatenate":
-            raise APIError(400, f"Cartridge '{identifier}' was trained in parts, which are composed by mixture: "
-                           "leave out `composition` (or give \"mixture\", \"route\" or \"search\").",
+            raise APIError(400, f"Cartridge '{identifier}' was trained in parts, which are not concatenated: "
+                           "leave out `composition` (or give \"search\", \"mixture\" or \"route\").",
                            code="invalid_value", param="composition")
         records.append(record)
         parts_of.append(parts)
