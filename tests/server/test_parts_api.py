@@ -172,6 +172,26 @@ def test_search_names_no_part_when_the_training_text_is_damaged_or_deleted(chat_
         store.close()
 
 
+def test_preload_builds_the_index_that_search_finds_parts_by(chat_server: LiveServer, model) -> None:
+    """After a preload the part index is in memory: a training file deleted since changes nothing,
+    where without it the search could no longer rebuild the parts and would compose them all."""
+    key = chat_server.add_user()
+    client = chat_server.openai(key)
+    with Client(chat_server.url, key) as blocks:
+        file_id = upload_text(client, CORPUS, name="quelmor.md")
+        block = blocks.datablocks.train([file_id], name="preloaded", config=TINY_TRAIN_CONFIG, parts=True,
+                                        part_tokens=PART_TOKENS)
+        assert blocks.datablocks.wait(block["id"], timeout=180, poll_interval=0.2, progress=False)["status"] == "succeeded"
+    texts = corpus_parts(model.tokenizer, CORPUS, PART_TOKENS)
+    last = next(j for j, text in enumerate(texts) if "Dunstable" in text)
+    assert httpx.post(chat_server.url + "/preload", json=[block["id"]],
+                      headers={"Authorization": f"Bearer {key}"}).json() == {block["id"]: "loaded"}
+    client.files.delete(file_id)
+    reply = client.chat.completions.create(model=block["id"], messages=[{"role": "user", "content":
+                                           "What does Dunstable keep?"}], max_tokens=2)
+    assert reply.model_extra["search"]["cartridges"][0]["parts"] == [last + 1]
+
+
 def test_the_terminal_chat_searches_on_a_server_and_says_why_not_here(chat_server: LiveServer, trained) -> None:
     from .test_chat_cli import chat
     from .test_chat_retrieval import _cached_tokens

@@ -84,20 +84,27 @@ class Passages:
         empty list) when the query shares no word with them, or the parts cannot be rebuilt: a
         cartridge imported from a file (no training files), a training file since deleted or
         damaged in the store, or a cut that no longer gives `parts` parts. Blocking."""
+        search = self.part_search(principal, record, tokenizer, parts)
+        return search.find(query) if search is not None and query.strip() else []
+
+    def part_search(self, principal: Principal, record: Any, tokenizer: Any, parts: int) -> PartSearch | None:
+        """The index of the `parts` parts of `record`'s cartridge, built on first use (re-reading
+        and re-cutting its training files: one to two seconds per 50K tokens) and kept for the next
+        requests, or None where the parts cannot be rebuilt (`find_parts`). Blocking."""
         with self._lock:
             known = record.id in self._part_indexes
             search = self._part_indexes.get(record.id)
             if known:
                 self._part_indexes.move_to_end(record.id)
         if not known:
-            search = self._part_search(principal, record, tokenizer, parts)
+            search = self._built_part_search(principal, record, tokenizer, parts)
             with self._lock:
                 self._part_indexes[record.id] = search
                 while len(self._part_indexes) > MAX_INDEXES:
                     self._part_indexes.popitem(last=False)
-        return search.find(query) if search is not None and query.strip() else []
+        return search
 
-    def _part_search(self, principal: Principal, record: Any, tokenizer: Any, parts: int) -> PartSearch | None:
+    def _built_part_search(self, principal: Principal, record: Any, tokenizer: Any, parts: int) -> PartSearch | None:
         part_tokens = json.loads(record.config or "{}").get("part_tokens")
         if not record.training_files or not isinstance(part_tokens, int):
             return None

@@ -63,13 +63,16 @@ async def preload(
     ids: Annotated[list[str], Body(max_length=MAX_PRELOAD_IDS, description="Cartridge ids (full or bare run ids).",
                                    examples=[["alice/handbook/k3v9x2m1q8"]])],
 ) -> dict[str, str]:
-    """Loads each cartridge so that the first chat on it is fast. The answer maps each id, as
-    given, to `"loaded"` or `"error: <why>"`; one cartridge's failure never fails the others."""
-    serving.require_ready()
+    """Loads each cartridge so that the first chat on it is fast (a cartridge in parts with the
+    index that search finds its parts by). The answer maps each id, as given, to `"loaded"` or
+    `"error: <why>"`; one cartridge's failure never fails the others."""
+    model, _ = serving.require_ready()
     results: dict[str, str] = {}
     for identifier in dict.fromkeys(ids):
         try:
-            await run_in_threadpool(serving.cartridge, user, identifier, param="ids")
+            record, parts = await run_in_threadpool(serving.cartridge, user, identifier, param="ids")
+            if len(parts) > 1:
+                await run_in_threadpool(serving.passages.part_search, user, record, model.tokenizer, len(parts))
             results[identifier] = "loaded"
         except CartridgeUnavailable as unavailable:
             results[identifier] = f"error: {unavailable.error.message}"
