@@ -43,17 +43,12 @@ def bare(question: str, first: str) -> str:
 
 def part_found(retriever: Retriever, last: str, previous: str, weight: float) -> int | None:
     """The part of the chunk that scores best for `last` plus `weight` times `previous`."""
-    scores: dict[int, float] = {}
+    scores: dict[tuple[str, int], float] = {}  # by chunk: its text and its part
     for query, factor in ((last, 1.0), (previous, weight)):
         if factor:
-            for i, score in _chunk_scores(retriever, query):
-                scores[i] = scores.get(i, 0.0) + factor * score
-    return retriever.sources[max(scores, key=scores.__getitem__)] if scores else None
-
-
-def _chunk_scores(retriever: Retriever, query: str) -> list[tuple[int, float]]:
-    index = {text: i for i, text in enumerate(retriever.chunks)}
-    return [(index[hit.text], hit.score) for hit in retriever.hits(query, len(retriever.chunks))]
+            for hit in retriever.hits(query, len(retriever.chunks)):
+                scores[hit.text, hit.source] = scores.get((hit.text, hit.source), 0.0) + factor * hit.score
+    return max(scores, key=scores.__getitem__)[1] if scores else None
 
 
 def main() -> int:

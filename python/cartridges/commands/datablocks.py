@@ -24,8 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--model", help="base model id (default: the server's)")
     train.add_argument("--config", metavar="JSON", help='training config overrides, e.g. \'{"num_samples": 64}\'')
     train.add_argument("--parts", action=argparse.BooleanOptionalAction, help="a cartridge per part of about "
-                       "--part-tokens, served together: a question is answered by its part (default: in parts for a corpus of more than four "
-                       "of the model's contexts; --no-parts for one cartridge however long the corpus)")
+                       "--part-tokens, served together: a question is answered by its part (default: in parts for a "
+                       "corpus of more than four of the model's contexts; --no-parts for one cartridge however long "
+                       "the corpus)")
     train.add_argument("--part-tokens", type=int, metavar="N", help="about how many tokens a part holds; implies "
                        "--parts (default: two of the model's contexts)")
     train.add_argument("--wait", action="store_true", help="wait for the end, with a progress bar")

@@ -86,10 +86,9 @@ class ChatCompletionRequest(BaseModel):
         "(if any) as `composition` says.")
     composition: Literal["mixture", "route", "search", "concatenate"] = Field(
         default="search", description="Extension: how two or more cartridges, and a cartridge's parts, are composed. "
-        "`search` (the default): "
-        "of a cartridge trained in parts, only the part that BM25 over the parts' own training text ranks first for "
-        "the last user message is used (parts that tie, by mixture; one part's KV and speed, the prompt read once; "
-        "about the mixture's quality), and the response's `search` field names it; where the search cannot say, all "
+        "`search` (the default): of a cartridge trained in parts, only the part that BM25 over the parts' own "
+        "training text ranks first for the last user message is used (parts that tie, by mixture; one part's KV "
+        "and speed, the prompt read once; about the mixture's quality), and the response's `search` field names it; where the search cannot say, all "
         "its parts; several cartridges (or parts) by `mixture`. `mixture`: each cartridge reads the conversation on "
         "its own, and each token is drawn from their predictions weighted by how well each explains the "
         "conversation so far, from the first message after the system prompt (each document's questions keep their "

@@ -35,7 +35,8 @@ class TrainRequest(BaseModel):
         description="`true`: cut the corpus at headings (or paragraphs) into parts of about `part_tokens` (a part "
         "can run a little over, to end at a heading), train a cartridge per part with `config`, and keep them as one "
         "cartridge; a chat question is answered by the part it is about (a corpus within one part gets one "
-        "cartridge). `false`: one cartridge however long the corpus. Unset: in parts for a corpus of more than four of the model's contexts "
+        "cartridge). `false`: one cartridge however long the corpus. Unset: in parts for a corpus of more than "
+        "four of the model's contexts "
         "(32,768 tokens for the default model), decided when the job has read the files.")
     part_tokens: int | None = Field(
         default=None, ge=MIN_PART_TOKENS,
