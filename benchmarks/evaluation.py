@@ -44,7 +44,7 @@ TRAINING_ONLY_FIELDS = {"learning_rate", "anchor", "epochs", "batch_size", "grad
 # TrainConfig fields added after cartridges were cached, with the value that trains as before
 # they existed: a config at that value leaves them out of its cache keys, so that adding a
 # knob does not orphan every cached cartridge and its synthesized data.
-FIELDS_ADDED_AS = {"passages_fraction": 0.0, "verify_targets": "teacher"}
+FIELDS_ADDED_AS = {"passages_fraction": 0.0, "verify_targets": "teacher", "verify_style": "judge"}
 
 
 def keyed_fields(config: TrainConfig) -> dict[str, Any]:

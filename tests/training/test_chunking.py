@@ -12,7 +12,8 @@ from cartridges.selfstudy.chunking import Span, even_spans, named_texts, part_of
 from cartridges.selfstudy.config import LONG_CORPUS_TOKENS, default_num_samples, default_num_tokens
 from cartridges.selfstudy.prompts import (CLOZE_TEMPLATES, FACT, FACT_TEMPLATES, RECALL_TEMPLATES, TOPIC,
                                          TOPIC_TEMPLATES, VERIFY, VERIFY_TEMPLATES, cloze_message, draw_seed_prompts,
-                                         fact_message, recall_message, topic_message, verify_message)
+                                         fact_message, recall_message, swap_candidates, topic_message,
+                                         verify_message)
 from cartridges.selfstudy.synthesize import loop_start
 
 
@@ -204,6 +205,34 @@ def test_verify_message_states_a_sentence_true_or_with_a_number_or_name_swapped(
     for seed in range(10):
         message, answer = verify_message(VERIFY_TEMPLATES[0], lone, random.Random(seed))
         assert answer == "Yes" and "Brannick was cast in 1402" in message
+
+
+def test_verify_message_with_a_swap_pool_swaps_in_a_corpus_name_and_corrects_it():
+    chunk = ("cut off at the start. The flagship of the fleet was the Wakeful Heron, built in 1402 at "
+             "the yard of Harrow Brothers. The end is cut")
+    sentence = "The flagship of the fleet was the Wakeful Heron, built in 1402 at the yard of Harrow Brothers."
+    pool = swap_candidates("Elsewhere. The tender was called Wake Vell by Odo. A pier of 77 piles. The Tessel "
+                           "Marsh drained in 1650. So, The end.")
+    assert pool == ["1650", "77", "Odo", "Tessel Marsh", "The", "Wake Vell"]  # "The" is never swapped in
+    answers = set()
+    for seed in range(40):
+        message, answer = verify_message(VERIFY_TEMPLATES[0], chunk, random.Random(seed), swap_pool=pool,
+                                         correction=True)
+        statement = message.split('"')[1]
+        word, said = answer.split(". ", 1)
+        assert said == f'The document says: "{sentence}"'  # the right sentence, whatever the statement
+        answers.add(word)
+        if word == "Yes":
+            assert statement == sentence
+        else:  # a number from the corpus for a number; a name of as many words for a name
+            swaps = {("Wakeful Heron", "Wake Vell"), ("Wakeful Heron", "Tessel Marsh"), ("Harrow Brothers", "Wake Vell"),
+                     ("Harrow Brothers", "Tessel Marsh"), ("1402", "1650"), ("1402", "77")}
+            assert word == "No" and any(statement == sentence.replace(a, b, 1) for a, b in swaps), statement
+    assert answers == {"Yes", "No"}
+    # Without a pool or a correction the message and answer are the chunk's own verify ones.
+    for seed in range(10):
+        assert verify_message(VERIFY_TEMPLATES[0], chunk, random.Random(seed), swap_pool=swap_candidates(chunk)) == \
+            verify_message(VERIFY_TEMPLATES[0], chunk, random.Random(seed))
 
 
 def test_verify_fraction_zero_draws_the_seed_prompts_of_a_config_without_it():

@@ -136,6 +136,37 @@ def test_verify_conversations_train_toward_their_label_with_verify_targets_label
     assert all(math.isfinite(loss) for loss in cart.stats["losses"])
 
 
+def test_verify_style_correct_swaps_from_the_whole_corpus_and_answers_with_the_sentence(model):
+    """verify_style="correct": a swapped statement's name or number may come from another chunk
+    of the corpus, and every verify answer goes on with the chunk's sentence; the other
+    conversations are those of the default style."""
+    config = small_config(written_fraction=1.0, verify_fraction=0.6, max_answer_tokens=160, num_samples=12)
+    text = TEXT + "Far down the valley the ferry Wake Vell crosses the Tessel at 77 strokes an hour. "
+    corpus = Corpus.from_texts(model.tokenizer, [text])
+    judged = synthesize(model, corpus, config)
+    corrected = synthesize(model, corpus, config.replace(verify_style="correct"))
+    words, from_elsewhere = set(), 0
+    for j, c in zip(judged, corrected):
+        assert j.kind == c.kind
+        if c.kind != "verify":
+            assert (j.question, j.answer) == (c.question, c.answer)
+            continue
+        answer = model.tokenizer.decode(c.answer)
+        word, said = answer.split(". ", 1)
+        words.add(word)
+        sentence = said.removeprefix('The document says: "').removesuffix('"')
+        assert said.startswith("The document says") and sentence in " ".join(c.chunk.split())
+        statement = c.question.split('"')[1]
+        assert (statement == sentence) == (word == "Yes")
+        assert model.tokenizer.decode(j.answer) in ("Yes", "No")
+        swapped_in = set(statement.split()) - set(sentence.split())
+        from_elsewhere += bool(swapped_in) and not swapped_in & set(c.chunk.split())
+    assert words == {"Yes", "No"}
+    assert from_elsewhere  # a swap the chunk itself does not hold
+    cart = train(model, [text], config.replace(verify_style="correct"), progress=False)
+    assert all(math.isfinite(loss) for loss in cart.stats["losses"])
+
+
 def test_length_groups_split_short_rows_from_long_ones():
     length_groups = cartridges_core.length_groups
     lengths = [5, 120, 6, 130, 7, 125, 4, 128]

@@ -18,6 +18,7 @@ Objective = Literal["distill", "next_token", "compact"]
 LossWeighting = Literal["step", "token", "row"]
 TrainingDtype = Literal["auto", "model", "float32", "bfloat16"]
 VerifyTargets = Literal["teacher", "label"]
+VerifyStyle = Literal["judge", "correct"]
 INITS: tuple[str, ...] = Init.__args__
 OBJECTIVES: tuple[str, ...] = Objective.__args__
 LOSS_WEIGHTINGS: tuple[str, ...] = LossWeighting.__args__
@@ -204,6 +205,16 @@ class TrainConfig(BaseModel):
     at chance (10 of 24 right, as before) and the whole where it was (0.74 to 0.73 of the
     oracle's gain) (docs/experiments.md, "Do verify conversations trained toward their label
     teach a cartridge to tell true statements from false?")."""
+    verify_style: VerifyStyle = "judge"
+    """How a "verify" conversation is made: "judge" (a swap from the chunk itself, answered
+    "Yes" or "No") or "correct" (a swap from the whole corpus, or the part being trained,
+    preferring a name of as many words, and the answer goes on with the chunk's sentence: 'No.
+    The document says: "..."'). Past four contexts most sections under the 0.3 floor are held
+    there by one question answered with a sibling of the gold name taken from elsewhere in the
+    corpus (docs/experiments.md, "What holds a long corpus' weak sections under the 0.3
+    floor?"); "correct" meets such a swapped name with the right one. "judge" until measured
+    better (docs/experiments.md, "Do verify conversations that correct a name swapped from
+    elsewhere in the corpus lift the weakest sections?")."""
     cloze_fraction: float | None = Field(None, ge=0.0, le=1.0)
     """Share of the written conversations other than "verify" ones that are "cloze"; the rest
     are "recall". A cloze answer is a few tokens, a recall answer up to max_answer_tokens, so

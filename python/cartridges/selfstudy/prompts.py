@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 
 SYSTEM_PROMPT = (
     "You are reading the following document. Use only what it says.\n\n"
@@ -140,10 +141,13 @@ def draw_seed_prompts(rng: random.Random, n: int, written_fraction: float,
     return [(k, rng.choice(_TEMPLATES[k])) for k in kinds]
 
 
-def written_message(kind: str, template: str, chunk_text: str, rng: random.Random) -> tuple[str, str]:
-    """The message and answer of a row whose kind is in WRITTEN_HERE."""
-    make = {RECALL: recall_message, CLOZE: cloze_message, VERIFY: verify_message, TOPIC: topic_message,
-            FACT: fact_message}[kind]
+def written_message(kind: str, template: str, chunk_text: str, rng: random.Random,
+                    swap_pool: Sequence[str] | None = None, correction: bool = False) -> tuple[str, str]:
+    """The message and answer of a row whose kind is in WRITTEN_HERE; `swap_pool` and
+    `correction` go to `verify_message`."""
+    if kind == VERIFY:
+        return verify_message(template, chunk_text, rng, swap_pool=swap_pool, correction=correction)
+    make = {RECALL: recall_message, CLOZE: cloze_message, TOPIC: topic_message, FACT: fact_message}[kind]
     return make(template, chunk_text, rng)
 
 
@@ -213,13 +217,18 @@ def _whole_sentences(chunk_text: str, min_words: int) -> list[str]:
     return [chunk_text[start:end].strip() for start, end in _whole_sentence_spans(chunk_text, min_words)]
 
 
-def verify_message(template: str, chunk_text: str, rng: random.Random, min_words: int = 6) -> tuple[str, str]:
+def verify_message(template: str, chunk_text: str, rng: random.Random, min_words: int = 6,
+                   swap_pool: Sequence[str] | None = None, correction: bool = False) -> tuple[str, str]:
     """A "verify" message and its answer: a sentence of the chunk as a statement to check, and
     "Yes"; or, at even odds, the same sentence with one number or name replaced by a different
-    one of the same sort from the chunk (a number by a number, a name by a name), and "No".
-    The teacher scores the answer with the chunk in context, so what is learned is its
-    judgment. A sentence with nothing to swap stays true; a chunk without whole sentences
-    falls back to a recall message."""
+    one of the same sort (a number by a number, a name by a name), and "No". The swap comes
+    from the chunk, or from `swap_pool` when given (the numbers and names of the whole corpus,
+    `swap_candidates`: the siblings a cartridge confuses live elsewhere in it), preferring one
+    of as many words. With `correction` the answer goes on with the chunk's sentence ('No.
+    The document says: "..."'), so that a swapped name is met by the right one. The teacher
+    scores the answer with the chunk in context, so what is learned is its judgment. A
+    sentence with nothing to swap stays true; a chunk without whole sentences falls back to a
+    recall message."""
     sentences = _whole_sentences(chunk_text, min_words)
     if not sentences:
         return recall_message(RECALL_TEMPLATES[0], chunk_text, rng)
@@ -230,13 +239,26 @@ def verify_message(template: str, chunk_text: str, rng: random.Random, min_words
         if spans:
             span = rng.choice(spans)
             numeric = span.group()[0].isdigit()
-            others = sorted({m.group() for part in _SENTENCE.finditer(chunk_text)
-                             for m in _CLOZE_SPAN.finditer(part.group().strip())
-                             if m.start() > 0 and m.group()[0].isdigit() == numeric and m.group() != span.group()})
+            pool = swap_pool if swap_pool is not None else swap_candidates(chunk_text)
+            others = [o for o in pool if o[0].isdigit() == numeric and o != span.group()]
+            if swap_pool is not None:  # a name of as many words, where the corpus has one; no lone "The"
+                words = len(span.group().split())
+                others = [o for o in others if o.lower() not in _FUNCTION_WORDS]
+                others = [o for o in others if len(o.split()) == words] or others
             if others:
                 statement = sentence[: span.start()] + rng.choice(others) + sentence[span.end() :]
                 answer = VERIFY_ANSWERS[1]
-    return template.format(statement=" ".join(statement.split())), answer
+    message = template.format(statement=" ".join(statement.split()))
+    if correction:
+        return message, f'{answer}. The document says: "{" ".join(sentence.split())}"'
+    return message, answer
+
+
+def swap_candidates(text: str) -> list[str]:
+    """The numbers and names (cloze spans not starting a sentence) of `text`'s sentences, each
+    once, sorted: what a verify statement's swap draws from."""
+    return sorted({m.group() for part in _SENTENCE.finditer(text)
+                   for m in _CLOZE_SPAN.finditer(part.group().strip()) if m.start() > 0})
 
 
 # Words that do not make a topic on their own: a topic phrase neither starts nor ends with one.

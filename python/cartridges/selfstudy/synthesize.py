@@ -29,7 +29,7 @@ from .chunking import PARTS, BatchView, Corpus, Span, part_view, partner_chunk, 
 from .config import TrainConfig
 from .precision import resolved_training_dtype
 from .prompts import (JOINED, JOINED_TEMPLATES, SEED_PROMPTS, SYSTEM_PROMPT, VERIFY, VERIFY_ANSWERS, WRITTEN_HERE,
-                      draw_seed_prompts, joined_message, written_message)
+                      draw_seed_prompts, joined_message, swap_candidates, written_message)
 
 # What stands between the two chunks a joined conversation's teacher reads.
 JOINED_SEPARATOR = "\n\n[...]\n\n"
@@ -106,6 +106,7 @@ class Synthesizer:
         # bfloat16 too: on a CPU with AVX-512 BF16 the core's own kernels do it 3-6x faster than
         # float32 (docs/experiments.md, "Can an own bfloat16 kernel make the attention over a
         # prefix cheaper?"); elsewhere the flag changes nothing.
+        self._swaps_of, self._swaps = None, []  # the corpus whose swap candidates are kept (verify_style="correct")
         self.bfloat16_attention = resolved_training_dtype(self.native, config.training_dtype) == "bfloat16"
 
     def prompt(self, document: str, user: str) -> list[int]:
@@ -208,14 +209,17 @@ class Synthesizer:
         a_seeds = [rng.getrandbits(31) for _ in range(n)]
         questions, written = [""] * n, {}  # written: row -> its answer, from the chunk
         labelled = set()  # verify rows that train toward their written answer (verify_targets="label")
+        correcting = cfg.verify_style == "correct"
         joined = self._joined_rows(corpus, view, rng, n)  # rows that join the chunk with a distant one
         for i, (kind, text) in enumerate(seeds):
             if i in joined.rows:
                 continue
             if kind in WRITTEN_HERE:
-                questions[i], answer = written_message(kind, text, chunk_text, rng)
+                questions[i], answer = written_message(kind, text, chunk_text, rng, correction=correcting,
+                                                       swap_pool=self._swap_pool(corpus) if correcting else None)
                 written[i] = self.tok.encode(answer)[: cfg.max_answer_tokens]
-                if kind == VERIFY and answer in VERIFY_ANSWERS and cfg.verify_targets == "label":
+                word = answer.split(". ", 1)[0] if correcting else answer  # "No. The document says: ..."
+                if kind == VERIFY and word in VERIFY_ANSWERS and cfg.verify_targets == "label":
                     labelled.add(i)  # (a chunk without whole sentences gives a recall message instead)
                 if not written[i]:  # a chunk too short to quote from: A asks a question instead
                     del written[i]
@@ -262,6 +266,12 @@ class Synthesizer:
             out[i].chunk = out[i].window = joined.document
             out[i].partner_span = joined.partner
         return out
+
+    def _swap_pool(self, corpus: Corpus) -> list[str]:
+        """The corpus' numbers and names a "correct" verify statement swaps in, found once per corpus."""
+        if self._swaps_of is not corpus:
+            self._swaps_of, self._swaps = corpus, swap_candidates(self.tok.decode(corpus.tokens))
+        return self._swaps
 
     def _joined_rows(self, corpus: Corpus, view: BatchView, rng: random.Random, n: int) -> _Joined:
         """Which of the batch's `n` rows are joined conversations (config.joined_fraction), the
