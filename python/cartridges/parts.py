@@ -12,9 +12,10 @@ against 0.47, for the parts' count times the KV and the same training time (docs
 cartridge file (`cartridges.save_cartridges`). Where the parts' text is at hand, `PartSearch`
 finds the part a question is about from the question alone, and that part answers: one part's
 cost, about the mixture's quality (the server's default, `composition: "search"`;
-docs/experiments.md, "Should search be the chat's default for a cartridge in parts?"). Without
-it (the library, a local chat) the parts are composed by mixture, which puts its weight on the
-part the question is about. Either way a question that joins two parts is answered from one of
+docs/experiments.md, "Should search be the chat's default for a cartridge in parts?"); each
+part records the size its corpus was cut by (`record_cut`), so that the library and a local
+chat given the training files search too (`part_search_for`). Without the text the parts are
+composed by mixture, which puts its weight on the part the question is about. Either way a question that joins two parts is answered from one of
 them. They are not to be concatenated: parts trained apart read as one cartridge recover half
 as much. The CLI and the server train a corpus this way when it holds more than four of the
 model's contexts and the user did not say (`in_parts_by_default`).
@@ -170,12 +171,41 @@ def train_parts(
             print(f"part {j} of {count}: {sizes[j - 1]:,} tokens", file=sys.stderr)
         part_checkpoint = checkpoint if checkpoint is None or count == 1 else f"{checkpoint}.part{j}of{count}"
         cartridges.append(train(model, text, config, progress, checkpoint=part_checkpoint, resume=resume))
+        if count > 1:
+            record_cut(cartridges[-1], max_part_tokens or default_part_tokens(model))
         if on_trained is not None:
             on_trained(j, count, cartridges[-1])
         if progress and j < count:
             print(f"part {j} of {count} done; {remaining_estimate(time.monotonic() - started, sizes, j)}",
                   file=sys.stderr)
     return cartridges
+
+
+def record_cut(part: Cartridge, part_tokens: int) -> None:
+    """Keep in a part's config the size its corpus was cut by, so that the part can be found
+    again wherever the corpus is at hand (`part_search_for`)."""
+    part.config = {**part.config, "part_tokens": part_tokens}
+
+
+def part_search_for(tokenizer: Any, texts: str | Sequence[str], parts: Sequence[Cartridge]) -> PartSearch:
+    """The search over the parts of `texts` (the files the cartridge in `parts` was trained on,
+    in order, joined as training joins them: `cartridges.selfstudy.named_texts` for several),
+    cut again at the size the parts recorded. ValueError, saying why, for parts that recorded
+    no size (trained before it was kept, or not by `train_parts` or a datablock) or texts that
+    do not cut into as many parts. One cartridge is searched as a part of its own: the whole
+    corpus, found for any question that shares a word with it."""
+    if len(parts) == 1:
+        return PartSearch(tokenizer, ["\n\n".join([texts] if isinstance(texts, str) else texts)])
+    sizes = {part.config.get("part_tokens") for part in parts}
+    if len(sizes) != 1 or not isinstance(next(iter(sizes)), int):
+        raise ValueError("these cartridges do not say how their corpus was cut into parts (a file of "
+                         "`cartridges train` in parts records it): compose them by mixture")
+    part_tokens = next(iter(sizes))
+    texts_of_parts = corpus_parts(tokenizer, texts, part_tokens)
+    if len(texts_of_parts) != len(parts):
+        raise ValueError(f"the texts given cut into {len(texts_of_parts)} parts of about {part_tokens:,} tokens, "
+                         f"not the cartridge's {len(parts)}: give the files it was trained on, in the same order")
+    return PartSearch(tokenizer, texts_of_parts)
 
 
 def default_part_tokens(model: Any) -> int:

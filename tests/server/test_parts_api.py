@@ -17,7 +17,7 @@ import pytest
 import cartridges
 from cartridges import Client
 from cartridges.cartridge import load_cartridges
-from cartridges.parts import corpus_parts
+from cartridges.parts import corpus_parts, part_search_for
 from cartridges.server.passages import Passages
 from cartridges.server.principal import Principal
 from cartridges.store import core, open_store
@@ -212,17 +212,23 @@ def test_the_terminal_chat_searches_on_a_server_and_says_why_not_here(chat_serve
     # One part's KV in front, not every part's.
     assert _cached_tokens(chat_server) - before == expected.usage.prompt_tokens_details.cached_tokens < block["num_tokens"]
     local = chat("--composition", "search", stdin="")
-    assert local.returncode == 2 and "--composition search is for --server" in local.stderr
+    assert local.returncode == 2 and "needs --corpus" in local.stderr
 
 
-def test_its_file_downloads_whole_and_single_cartridge_formats_are_refused(chat_server: LiveServer, trained,
+def test_its_file_downloads_whole_and_single_cartridge_formats_are_refused(chat_server: LiveServer, model, trained,
                                                                             tmp_path) -> None:
     block = trained["block"]
     http = chat_server.http(trained["key"])
     content = http.get(f"/v1/datablocks/{block['id']}/content")
     assert content.status_code == 200
     (tmp_path / "parts.safetensors").write_bytes(content.content)
-    assert load_cartridges(tmp_path / "parts.safetensors") == stored_parts(chat_server, block["id"])
+    downloaded = load_cartridges(tmp_path / "parts.safetensors")
+    assert downloaded == stored_parts(chat_server, block["id"])
+    # Each part records the cut, so that the training text searches the file's parts anywhere.
+    assert {part.config["part_tokens"] for part in downloaded} == {PART_TOKENS}
+    texts = corpus_parts(model.tokenizer, CORPUS, PART_TOKENS)
+    last = next(j for j, text in enumerate(texts) if "Dunstable" in text)
+    assert part_search_for(model.tokenizer, CORPUS, downloaded).find("What does Dunstable keep?") == [last]
     for fmt in ("peft", "pt"):
         refused = http.get(f"/v1/datablocks/{block['id']}/content", params={"format": fmt})
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "format_unavailable"

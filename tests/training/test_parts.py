@@ -97,6 +97,28 @@ def test_a_cartridge_is_trained_per_part(model, tmp_path):
     assert len(train_parts(model, text[:1500], config, progress=False)) == 1
 
 
+def test_parts_record_their_cut_so_that_the_corpus_finds_them_again(model):
+    from cartridges.parts import part_search_for
+
+    text = manual(sections=4, paragraphs=2, words=30)
+    config = TrainConfig(num_tokens=8, num_samples=2, objective="next_token", seed=1)
+    carts = train_parts(model, text, config, max_part_tokens=1500, progress=False)
+    assert [c.config["part_tokens"] for c in carts] == [1500, 1500]
+    search = part_search_for(model.tokenizer, text, carts)
+    texts = corpus_parts(model.tokenizer, text, 1500)
+    for n in (1, 4):
+        holding = [j for j, part in enumerate(texts) if f"## {n}. Section {n}" in part]
+        assert search.find(f"What follows s{n}p1w7?") == holding[:1]
+    with pytest.raises(ValueError, match="cut into 1 parts .* not the cartridge's 2: give the files"):
+        part_search_for(model.tokenizer, text[:900], carts)
+    one = train_parts(model, text[:900], config, max_part_tokens=1500, progress=False)
+    assert "part_tokens" not in one[0].config  # one cartridge is no part, and is found whole
+    assert part_search_for(model.tokenizer, text[:900], one).find("What follows s1p1w7?") == [0]
+    unrecorded = [Cartridge(c.keys, c.values, config={}) for c in carts]
+    with pytest.raises(ValueError, match="do not say how their corpus was cut"):
+        part_search_for(model.tokenizer, text, unrecorded)
+
+
 def test_the_time_left_is_estimated_from_the_parts_done_by_their_tokens():
     assert remaining_estimate(600.0, [1000, 2000, 1000], 1) == "about 30 minutes for the other 2 parts"
     assert remaining_estimate(40.0, [1000, 1000], 1) == "about 40 seconds for the last part"
@@ -137,6 +159,7 @@ def test_train_command_writes_the_parts_as_one_file_and_chat_composes_them(model
         name = "tiny"
         fingerprint = model.fingerprint
         native = model.native
+        tokenizer = model.tokenizer
 
         def stream_chat(self, messages, cartridges=(), composition="mixture", **kw):
             yield f"{len(cartridges)} cartridges by {composition}"
@@ -150,6 +173,25 @@ def test_train_command_writes_the_parts_as_one_file_and_chat_composes_them(model
     assert "3 cartridges by mixture" in capsys.readouterr().out
     assert main(["chat", "--cartridge", str(out), "--composition", "concatenate"]) == 2
     assert "composed by mixture" in capsys.readouterr().err
+    # --corpus: the files it was trained on, and each message is answered by the part it is about.
+    corpus = str(tmp_path / "manual.md")
+    monkeypatch.setattr("sys.stdin", io.StringIO("What follows s4p1w7?\nwhat is it\n"))
+    assert main(["chat", "--cartridge", str(out), "--corpus", corpus]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == ["1 cartridges by mixture", "2 cartridges by mixture"]  # no word: all parts
+    assert "(part 2 of 2)" in captured.err
+    (tmp_path / "other.md").write_text("A short note, not the manual.")
+    for args, status, said in (
+        (["--composition", "search"], 2, "needs --corpus"),
+        (["--corpus", corpus, "--composition", "route"], 2, "--corpus is for search"),
+        (["--corpus", corpus, "--cartridge", str(single)], 2, "give one --cartridge"),
+        (["--corpus", str(tmp_path / "missing.md")], 1, "no such corpus file"),
+        (["--corpus", str(tmp_path / "other.md")], 1, "cut into 1 parts"),
+        (["--corpus", corpus, "--server", "http://127.0.0.1:9"], 2, "--corpus is for a local chat"),
+    ):
+        monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+        assert main(["chat", "--cartridge", str(out), *args]) == status, args
+        assert said in capsys.readouterr().err, args
 
 
 def test_train_command_trains_a_corpus_past_four_contexts_in_parts_unless_told(model, tmp_path, monkeypatch, capsys):

@@ -38,13 +38,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "repeated) to compose them (see --composition); a file of `cartridges train --parts` "
                         "brings all its parts")
     parser.add_argument("--composition", choices=["search", "mixture", "route", "concatenate"], default=None,
-                        help="how cartridges are composed: search (with --server, where it is the default: of a "
+                        help="how cartridges are composed: search (the default with --server or --corpus: of a "
                         "cartridge trained in parts, the part whose training text best matches each message, found "
                         "by BM25 before the prompt is read: one cartridge's speed; several cartridges by mixture), "
                         "mixture (each reads the conversation on its own and the one that explains it best speaks; "
-                        "the default without --server), route (as mixture while the prompt is read, then the "
+                        "the default otherwise), route (as mixture while the prompt is read, then the "
                         "heaviest cartridge alone: one sequence, faster for the parts of `cartridges train --parts`) "
                         "or concatenate (their KV one after another, in order)")
+    parser.add_argument("--corpus", metavar="FILE", action="extend", nargs="+", default=[],
+                        help="without --server: the files a cartridge trained in parts was trained on, in the same "
+                        "order, so that each message is answered by the part it is about (search), as the server "
+                        "answers; a cartridge file holds no text to search")
     parser.add_argument("--retrieval", metavar="K", type=int, nargs="?", const=4, default=None,
                         help="with --server: also put in the prompt the K passages (default 4) of the cartridges' "
                         "training files that best match each message (BM25), behind the cartridges; worth it on "
@@ -86,19 +90,30 @@ def run(args: argparse.Namespace) -> int:
             print("error: --device is for a local model; the server runs its model where it was started",
                   file=sys.stderr)
             return 2
+        if args.corpus:
+            print("error: --corpus is for a local chat: the server searches the training files it holds",
+                  file=sys.stderr)
+            return 2
         return _run_server(args)
     for given, name in ((args.api_key, "--api-key"), (args.retrieval is not None, "--retrieval")):
         if given:
             print(f"error: {name} is for --server", file=sys.stderr)
             return 2
-    if args.composition == "search":
-        print("error: --composition search is for --server: the server searches a cartridge's training files, "
-              "and a cartridge file holds no text", file=sys.stderr)
+    if args.composition == "search" and not args.corpus:
+        print("error: --composition search without --server needs --corpus, the files the cartridge was trained "
+              "on: a cartridge file holds no text to search", file=sys.stderr)
         return 2
-    missing = [path for path in args.cartridge if not Path(path).is_file()]
+    if args.corpus and args.composition not in (None, "search"):
+        print(f"error: --corpus is for search: leave it out with --composition {args.composition}", file=sys.stderr)
+        return 2
+    missing = [path for path in [*args.cartridge, *args.corpus] if not Path(path).is_file()]
     if missing:  # before the model loads
-        print(f"error: {missing[0]}: no such cartridge file (a datablock id needs --server)", file=sys.stderr)
+        kind = "cartridge file (a datablock id needs --server)" if missing[0] in args.cartridge else "corpus file"
+        print(f"error: {missing[0]}: no such {kind}", file=sys.stderr)
         return 1
+    if args.corpus and len(args.cartridge) != 1:
+        print("error: --corpus searches the parts of one cartridge: give one --cartridge", file=sys.stderr)
+        return 2
     model = load_model_or_report(args.model, args.device)
     if model is None:
         return 1
@@ -114,14 +129,40 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     prefixes = [cartridge.prefix(model) for parts in files for cartridge in parts]
+    search = None
+    if args.corpus:
+        search = _part_search(model, args.corpus, files[0])
+        if search is None:
+            return 1
     print(f"{model.name} ready. /reset clears the conversation, /exit quits.", file=sys.stderr)
 
     def reply(messages: list[dict[str, Any]]) -> Iterator[str]:
-        return model.stream_chat(messages, cartridges=prefixes, composition=args.composition or "mixture",
-                                 max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                 seed=args.seed)
+        # With --corpus, the parts the last user message is about; all of them where the search cannot say.
+        found = search.find(next(m["content"] for m in reversed(messages) if m["role"] == "user")) if search else []
+        composition = "mixture" if args.composition in (None, "search") else args.composition
+        yield from model.stream_chat(messages, cartridges=[prefixes[j] for j in found] or prefixes,
+                                     composition=composition, max_tokens=args.max_tokens,
+                                     temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        if found:  # which parts answered, as the server's search says
+            print(f"\n(part{'s' if len(found) > 1 else ''} {', '.join(str(j + 1) for j in found)} of "
+                  f"{len(prefixes)})", end="", file=sys.stderr, flush=True)
 
     return _loop(args.system, reply)
+
+
+def _part_search(model: Any, corpus: list[str], parts: list[Any]) -> Any:
+    """The search over the parts of the cartridge in `parts`, from the files it was trained on
+    (read and joined as `cartridges train` reads them), or None after saying why not."""
+    from ..parts import part_search_for
+    from ..selfstudy.chunking import named_texts
+    from .train import InputError, read_text
+
+    try:
+        texts = named_texts([(Path(p).name, read_text(Path(p))) for p in corpus])
+        return part_search_for(model.tokenizer, texts, parts)
+    except (OSError, InputError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return None
 
 
 def _loop(system: str | None, reply: Callable[[list[dict[str, Any]]], Iterator[str]]) -> int:

@@ -131,7 +131,7 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
     from ..selfstudy import Corpus
     from ..selfstudy.config import TrainConfig
     from ..cartridge import cartridges_to_bytes, native_model
-    from ..parts import corpus_parts, default_part_tokens, in_parts_by_default
+    from ..parts import corpus_parts, default_part_tokens, in_parts_by_default, record_cut
     from ..training import TrainingCancelled, decided_config, train
 
     run_id = record.run_id
@@ -186,6 +186,8 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
         if progress.stopped or cartridge.stats["cancelled"]:
             return
         cartridge.config = part_config.to_dict()  # the config used, not our checkpoint cadence
+        if len(corpora) > 1:
+            record_cut(cartridge, parts["part_tokens"])
         cartridges.append(cartridge)
     steps = sum(c.stats["steps"] for c in cartridges)
     if len(cartridges) == 1:
