@@ -15,10 +15,11 @@ cost, about the mixture's quality (the server's default, `composition: "search"`
 docs/experiments.md, "Should search be the chat's default for a cartridge in parts?"); each
 part records the size its corpus was cut by (`record_cut`), so that the library and a local
 chat given the training files search too (`part_search_for`). Without the text the parts are
-composed by mixture, which puts its weight on the part the question is about. Either way a question that joins two parts is answered from one of
-them. They are not to be concatenated: parts trained apart read as one cartridge recover half
-as much. The CLI and the server train a corpus this way when it holds more than four of the
-model's contexts and the user did not say (`in_parts_by_default`).
+composed by mixture, which puts its weight on the part the question is about. Either way a
+question that joins two parts is answered from one of them. They are not to be concatenated:
+parts trained apart read as one cartridge recover half as much. The CLI and the server train a
+corpus this way when it holds more than four of the model's contexts and the user did not say
+(`in_parts_by_default`).
 """
 
 from __future__ import annotations
@@ -201,11 +202,19 @@ def part_search_for(tokenizer: Any, texts: str | Sequence[str], parts: Sequence[
         raise ValueError("these cartridges do not say how their corpus was cut into parts (a file of "
                          "`cartridges train` in parts records it): compose them by mixture")
     part_tokens = next(iter(sizes))
+    search = search_of_cut(tokenizer, texts, part_tokens, len(parts))
+    if search is None:
+        cut = len(corpus_parts(tokenizer, texts, part_tokens))
+        raise ValueError(f"the texts given cut into {cut} parts of about {part_tokens:,} tokens, not the "
+                         f"cartridge's {len(parts)}: give the files it was trained on, in the same order")
+    return search
+
+
+def search_of_cut(tokenizer: Any, texts: str | Sequence[str], part_tokens: int, parts: int) -> PartSearch | None:
+    """The search over `texts` cut into parts of about `part_tokens` tokens, or None where they
+    do not cut into `parts` parts (other texts than the parts were trained on)."""
     texts_of_parts = corpus_parts(tokenizer, texts, part_tokens)
-    if len(texts_of_parts) != len(parts):
-        raise ValueError(f"the texts given cut into {len(texts_of_parts)} parts of about {part_tokens:,} tokens, "
-                         f"not the cartridge's {len(parts)}: give the files it was trained on, in the same order")
-    return PartSearch(tokenizer, texts_of_parts)
+    return PartSearch(tokenizer, texts_of_parts) if len(texts_of_parts) == parts else None
 
 
 def default_part_tokens(model: Any) -> int:

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from cartridges.parts import PartSearch, corpus_parts
+from cartridges.parts import PartSearch, search_of_cut
 from cartridges.retrieval import Retriever
 from cartridges.selfstudy.chunking import named_texts
 from cartridges.server.errors import APIError
@@ -116,8 +116,7 @@ class Passages:
         except core().CorruptError as error:  # the request still has every part to answer by mixture
             log.warning("cartridge %s: its parts cannot be searched: %s", record.id, error)
             return None
-        texts_of_parts = corpus_parts(tokenizer, texts, part_tokens)
-        return PartSearch(tokenizer, texts_of_parts) if len(texts_of_parts) == parts else None
+        return search_of_cut(tokenizer, texts, part_tokens, parts)
 
     def _checked_file(self, principal: Principal, record: Any, file_id: str) -> Any:
         try:
