@@ -138,7 +138,7 @@ def test_train_command_writes_the_parts_as_one_file_and_chat_composes_them(model
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manual.md", "manual.safetensors"]
     err = capsys.readouterr().err
     assert "part 1 of 2: 8 tokens" in err and "part 2 of 2: 8 tokens" in err
-    assert f"2 parts of 8, 8 tokens" in err and f"cartridges chat --cartridge {out}" in err
+    assert f"2 parts of 8, 8 tokens" in err and f"cartridges chat --cartridge {out} --corpus {tmp_path / 'manual.md'}" in err
     assert [c.num_tokens for c in load_cartridges(out, model)] == [8, 8]
     with pytest.raises(PartsFileError, match="2 parts"):
         Cartridge.load(out)

@@ -228,9 +228,11 @@ def _train_parts(model: Any, texts: list[str], config: Any, args: argparse.Names
         describe_trained(cartridges[0], out)
     else:
         size = sum(c.nbytes for c in cartridges) / 2**20
+        corpus = " ".join(shlex.quote(path) for path in args.files)
         print(f"wrote {out}: {len(cartridges)} parts of {', '.join(str(c.num_tokens) for c in cartridges)} tokens, "
-              f"{size:.1f} MiB; chat with it (its parts composed by mixture):\n  cartridges chat --cartridge "
-              f"{shlex.quote(str(out))}", file=sys.stderr)
+              f"{size:.1f} MiB; chat with it, each message answered by the part it is about:\n  cartridges chat "
+              f"--cartridge {shlex.quote(str(out))} --corpus {corpus}\n(without --corpus its parts are composed by "
+              "mixture)", file=sys.stderr)
     return 0 if out == Path(args.out) else 1
 
 
