@@ -6,7 +6,10 @@ that one question; then how many questions of the whole file the cartridge answe
 nat a token worse than no context.
 
     python benchmarks/weak_sections.py benchmarks/results/eval_long_chronicle_parts9k.json [...]
-        [--condition parts] [--floor 0.3]
+        [--condition parts] [--floor 0.3] [--against BASELINE.json]
+
+With `--against`, a run of the same document under other settings: the questions either run
+answers more than a nat a token below no context, with their gain over no context in both.
 
 A section holds 6-9 questions (multi-hop ones count for both of theirs), so one question can
 decide its share; this says whether the misses are forgotten sections (every question near no
@@ -69,17 +72,46 @@ def report(path: Path, condition: str, floor: float) -> tuple[int, int]:
     return weak, lifted
 
 
+def compare(path: Path, baseline: Path, condition: str) -> tuple[int, int, int]:
+    """Prints the questions that `path` or `baseline` answers over a nat a token below no context,
+    with their gain in both; returns (below in the baseline, below in `path`, in both)."""
+    ours = json.loads(path.read_text())["documents"]
+    theirs = json.loads(baseline.read_text())["documents"]
+    counts = [0, 0, 0]
+    for name in ours.keys() & theirs.keys():
+        pairs = [(q, b) for q, b in zip(ours[name]["per_question"], theirs[name]["per_question"], strict=True)
+                 if condition in q and condition in b]
+        if not all(q["question"] == b["question"] for q, b in pairs):
+            raise SystemExit(f"{path.name} and {baseline.name} do not hold the same questions of {name}")
+        print(f"\n{name}: questions over a nat a token below no context in either run ({condition}), "
+              f"gain over none\n| section | kind | answer | {baseline.name} | {path.name} |\n|---|---|---|---|---|")
+        for q, b in pairs:
+            now, before = gain(q, condition), gain(b, condition)
+            if now < -1.0 or before < -1.0:
+                counts[0] += before < -1.0
+                counts[1] += now < -1.0
+                counts[2] += before < -1.0 and now < -1.0
+                sections = ", ".join(map(str, q["sections"]))
+                print(f"| {sections} | {q['kind']} | {q['answer']} | {before:.1f} | {now:.1f} |")
+    print(f"\nbelow in {baseline.name}: {counts[0]}; in {path.name}: {counts[1]}; in both: {counts[2]}")
+    return counts[0], counts[1], counts[2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", type=Path, help="result files of eval_long.py")
     parser.add_argument("--condition", default="parts")
     parser.add_argument("--floor", type=float, default=0.3)
+    parser.add_argument("--against", type=Path, help="a baseline result file of the same document(s)")
     args = parser.parse_args()
     weak = lifted = 0
     for path in args.results:
         w, l = report(path, args.condition, args.floor)
         weak, lifted = weak + w, lifted + l
     print(f"\n{weak} sections under {args.floor}; {lifted} reach it without their one question that weighs most")
+    if args.against is not None:
+        for path in args.results:
+            compare(path, args.against, args.condition)
 
 
 if __name__ == "__main__":

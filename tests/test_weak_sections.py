@@ -34,3 +34,19 @@ def test_a_weak_section_names_the_question_below_no_context(tmp_path):
     assert "Wakeful Heron" in row and "| -3.0 |" in row and row.endswith("| 0.80 |")
     assert not any(line.startswith("| 2 |") for line in out.splitlines())
     assert "1 sections under 0.3; 1 reach it" in out
+
+
+def test_against_a_baseline_lists_the_questions_below_no_context_in_either_run(tmp_path):
+    def result(wakeful: float, fine: float) -> dict:
+        questions = [question(1, -4.0, -2.0, -2.4, "Kept"), question(1, -4.0, -2.0, wakeful, "Wakeful Heron"),
+                     question(2, -4.0, -2.0, fine, "Fine")]
+        return {"documents": {"doc": {"per_question": questions, "recovered": {"parts": {"by_section": {}}}}}}
+
+    (tmp_path / "base.json").write_text(json.dumps(result(-7.0, -2.0)))  # the heron 3 nats below
+    (tmp_path / "new.json").write_text(json.dumps(result(-3.0, -5.5)))  # mended; "Fine" falls 1.5 below
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "weak_sections.py"), str(tmp_path / "new.json"),
+                          "--against", str(tmp_path / "base.json")], capture_output=True, text=True, check=True).stdout
+    assert "| 1 | literal | Wakeful Heron | -3.0 | 1.0 |" in out
+    assert "| 2 | literal | Fine | 2.0 | -1.5 |" in out
+    assert "| 1 | literal | Kept |" not in out
+    assert "below in base.json: 1; in new.json: 1; in both: 0" in out
