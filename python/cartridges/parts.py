@@ -182,6 +182,10 @@ def train_parts(
     return cartridges
 
 
+class UnrecordedCut(ValueError):
+    """Parts that do not record the size their corpus was cut by: nothing to search them with."""
+
+
 def record_cut(part: Cartridge, part_tokens: int) -> None:
     """Keep in a part's config the size its corpus was cut by, so that the part can be found
     again wherever the corpus is at hand (`part_search_for`)."""
@@ -191,16 +195,16 @@ def record_cut(part: Cartridge, part_tokens: int) -> None:
 def part_search_for(tokenizer: Any, texts: str | Sequence[str], parts: Sequence[Cartridge]) -> PartSearch:
     """The search over the parts of `texts` (the files the cartridge in `parts` was trained on,
     in order, joined as training joins them: `cartridges.selfstudy.named_texts` for several),
-    cut again at the size the parts recorded. ValueError, saying why, for parts that recorded
-    no size (trained before it was kept, or not by `train_parts` or a datablock) or texts that
-    do not cut into as many parts. One cartridge is searched as a part of its own: the whole
+    cut again at the size the parts recorded. ValueError, saying why, for texts that do not cut
+    into as many parts, and its UnrecordedCut for parts that recorded no size (trained before it
+    was kept, or not by `train_parts` or a datablock). One cartridge is searched as a part of its own: the whole
     corpus, found for any question that shares a word with it."""
     if len(parts) == 1:
         return PartSearch(tokenizer, ["\n\n".join([texts] if isinstance(texts, str) else texts)])
     sizes = {part.config.get("part_tokens") for part in parts}
     if len(sizes) != 1 or not isinstance(next(iter(sizes)), int):
-        raise ValueError("these cartridges do not say how their corpus was cut into parts (a file of "
-                         "`cartridges train` in parts records it): compose them by mixture")
+        raise UnrecordedCut("these cartridges do not record how their corpus was cut into parts (parts "
+                            "trained before it was kept): they answer by mixture, without a search")
     part_tokens = next(iter(sizes))
     search = search_of_cut(tokenizer, texts, part_tokens, len(parts))
     if search is None:

@@ -98,7 +98,7 @@ def test_a_cartridge_is_trained_per_part(model, tmp_path):
 
 
 def test_parts_record_their_cut_so_that_the_corpus_finds_them_again(model):
-    from cartridges.parts import part_search_for
+    from cartridges.parts import UnrecordedCut, part_search_for
 
     text = manual(sections=4, paragraphs=2, words=30)
     config = TrainConfig(num_tokens=8, num_samples=2, objective="next_token", seed=1)
@@ -115,7 +115,7 @@ def test_parts_record_their_cut_so_that_the_corpus_finds_them_again(model):
     assert "part_tokens" not in one[0].config  # one cartridge is no part, and is found whole
     assert part_search_for(model.tokenizer, text[:900], one).find("What follows s1p1w7?") == [0]
     unrecorded = [Cartridge(c.keys, c.values, config={}) for c in carts]
-    with pytest.raises(ValueError, match="do not say how their corpus was cut"):
+    with pytest.raises(UnrecordedCut, match="do not record how their corpus was cut"):
         part_search_for(model.tokenizer, text, unrecorded)
 
 
@@ -126,7 +126,7 @@ def test_the_time_left_is_estimated_from_the_parts_done_by_their_tokens():
 
 def test_train_command_writes_the_parts_as_one_file_and_chat_composes_them(model, tmp_path, monkeypatch, capsys):
     import cartridges.model
-    from cartridges.cartridge import PartsFileError, load_cartridges
+    from cartridges.cartridge import PartsFileError, load_cartridges, save_cartridges
     from cartridges.cli import main
 
     monkeypatch.setattr(cartridges.model, "load_model", lambda path=None, **kw: model)
@@ -192,6 +192,10 @@ def test_train_command_writes_the_parts_as_one_file_and_chat_composes_them(model
         monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
         assert main(["chat", "--cartridge", str(out), *args]) == status, args
         assert said in capsys.readouterr().err, args
+    unrecorded = tmp_path / "unrecorded.safetensors"  # parts written before the cut was kept
+    save_cartridges([Cartridge(c.keys, c.values, fingerprint=c.fingerprint) for c in load_cartridges(out)], unrecorded)
+    assert main(["chat", "--cartridge", str(unrecorded), "--corpus", corpus]) == 1
+    assert "do not record how their corpus was cut" in capsys.readouterr().err
 
 
 def test_train_command_trains_a_corpus_past_four_contexts_in_parts_unless_told(model, tmp_path, monkeypatch, capsys):

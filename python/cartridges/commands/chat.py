@@ -153,13 +153,16 @@ def run(args: argparse.Namespace) -> int:
 def _part_search(model: Any, corpus: list[str], parts: list[Any]) -> Any:
     """The search over the parts of the cartridge in `parts`, from the files it was trained on
     (read and joined as `cartridges train` reads them), or None after saying why not."""
-    from ..parts import part_search_for
+    from ..parts import UnrecordedCut, part_search_for
     from ..selfstudy.chunking import named_texts
     from .train import InputError, read_text
 
     try:
         texts = named_texts([(Path(p).name, read_text(Path(p))) for p in corpus])
         return part_search_for(model.tokenizer, texts, parts)
+    except UnrecordedCut as error:
+        print(f"error: {error}; leave out --corpus", file=sys.stderr)
+        return None
     except (OSError, InputError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return None
