@@ -288,15 +288,15 @@ void bind_store_datablocks(StoreClass& store) {
           "import_datablock",
           [](Store& s, const Owner& owner, std::string project, std::string model, std::string model_path,
              std::string config, int64_t num_tokens, std::string fingerprint, BlobWriter& cartridge,
-             std::string progress, std::string metrics) {
-            NewDatablock spec{std::move(project), std::move(model), std::move(model_path), {}, std::move(config),
-                              num_tokens};
+             std::string progress, std::string metrics, std::vector<std::string> training_files) {
+            NewDatablock spec{std::move(project),        std::move(model),  std::move(model_path),
+                              std::move(training_files), std::move(config), num_tokens};
             py::gil_scoped_release release;
             return s.import_datablock(owner, spec, fingerprint, cartridge, progress, metrics);
           },
           py::arg("owner"), py::kw_only(), py::arg("project"), py::arg("model"), py::arg("model_path"),
           py::arg("config"), py::arg("num_tokens"), py::arg("fingerprint"), py::arg("cartridge"),
-          py::arg("progress"), py::arg("metrics"))
+          py::arg("progress"), py::arg("metrics"), py::arg("training_files") = std::vector<std::string>{})
       .def("fail_datablock", &Store::fail_datablock, py::arg("owner"), py::arg("datablock_id"), py::arg("code"),
            py::arg("message"), py::call_guard<py::gil_scoped_release>())
       .def("cancel_datablock", &Store::cancel_datablock, py::arg("owner"), py::arg("datablock_id"),

@@ -263,6 +263,24 @@ def test_its_file_imports_as_a_cartridge_in_parts(chat_server: LiveServer, train
         model=imported["id"], messages=[{"role": "user", "content": "What does Dunstable keep?"}], max_tokens=2)
     assert searched.usage.prompt_tokens_details.cached_tokens == block["num_tokens"]
     assert searched.model_extra["search"]["cartridges"][0]["parts"] == list(range(1, len(block["metrics"]["parts"]) + 1))
+    assert "answer by mixture, not by search (without --training-files)" in done.stderr
+    # Imported with the files it was trained on (the user's own uploads), it searches as the datablock does.
+    command = [sys.executable, "-m", "cartridges.cli", "import", str(downloaded), "--user", "importer", "--model",
+               str(chat_server.model), "--data-dir", str(chat_server.data_dir), "--training-files"]
+    others = subprocess.run(command + [trained["block"]["training_files"][0]], capture_output=True, text=True,
+                            timeout=120)
+    assert others.returncode == 1 and "No such file" in others.stderr  # another user's file
+    with_files = subprocess.run(command + [upload_text(chat_server.openai(key), CORPUS, name="quelmor.md")],
+                                capture_output=True, text=True, timeout=120)
+    assert with_files.returncode == 0 and "not by search" not in with_files.stderr, with_files.stderr
+    asked = [{"role": "user", "content": "What does Dunstable keep?"}]
+    theirs = chat_server.openai(key).chat.completions.create(model=with_files.stdout.strip(), messages=asked,
+                                                             temperature=0, max_tokens=8)
+    ours = chat_server.openai(trained["key"]).chat.completions.create(model=block["id"], messages=asked,
+                                                                      temperature=0, max_tokens=8)
+    assert theirs.model_extra["search"]["cartridges"][0]["parts"] == ours.model_extra["search"]["cartridges"][0]["parts"]
+    assert len(theirs.model_extra["search"]["cartridges"][0]["parts"]) == 1
+    assert theirs.choices[0].message.content == ours.choices[0].message.content
 
 
 def test_a_corpus_within_one_part_is_one_cartridge(chat_server: LiveServer, trained) -> None:

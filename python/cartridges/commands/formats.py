@@ -38,6 +38,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     imported.add_argument("source", metavar="SOURCE", help="a PEFT adapter directory, a .pt or a .safetensors file")
     imported.add_argument("--user", required=True, help="the user who owns the datablock (must exist)")
     imported.add_argument("--name", default="imported", help="project name (default: imported)")
+    imported.add_argument("--training-files", metavar="FILE_ID", action="extend", nargs="+", default=[],
+                          help="ids of USER's uploaded files (POST /v1/files) that the cartridge was trained on, in "
+                          "order: a cartridge in parts that records its cut is then answered from the part each "
+                          "question is about (chat's default `search`), and chat's `retrieval` searches them")
     imported.add_argument("--model", metavar="PATH", help="the server's base model (CARTRIDGES_MODEL)")
     imported.add_argument("--data-dir", help="store directory (CARTRIDGES_DATA_DIR; default ./cartridges-data)")
     imported.set_defaults(run=run_import)
@@ -145,8 +149,11 @@ def run_import(args: argparse.Namespace) -> int:
     num_tokens = sum(c.num_tokens for c in cartridges)
     config: dict[str, Any] = {"num_tokens": num_tokens, "imported_from": Path(args.source).name}
     metrics: dict[str, Any] = {}
-    if len(cartridges) > 1:  # a cartridge trained in parts: served as one, its parts by mixture
+    if len(cartridges) > 1:  # a cartridge trained in parts: served as one, its part found by search or by mixture
         config["parts"] = True
+        cut = {c.config.get("part_tokens") for c in cartridges}
+        if len(cut) == 1 and isinstance(next(iter(cut)), int):
+            config["part_tokens"] = next(iter(cut))
         metrics["parts"] = [{"corpus_tokens": None, "num_tokens": c.num_tokens, "num_samples": c.config.get("num_samples"),
                              "loss": None, "quality": c.quality, "signal_by_part": None} for c in cartridges]
     store = open_store(settings.data_dir, database_url=settings.database_url, blob_url=settings.blob_url)
@@ -164,7 +171,10 @@ def run_import(args: argparse.Namespace) -> int:
             core().Owner(user.id, False), project=args.name, model=base_model_id(settings.model),
             model_path=model_path, config=json.dumps(config), num_tokens=num_tokens,
             fingerprint=cartridges[0].fingerprint, cartridge=blob, progress=json.dumps(done),
-            metrics=json.dumps(metrics))
+            metrics=json.dumps(metrics), training_files=args.training_files)
+    except core().NotFoundError as error:  # a training file that is not the user's
+        print(f"error: {error} of user '{args.user}' (upload it with POST /v1/files and give its id)", file=sys.stderr)
+        return 1
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -173,4 +183,7 @@ def run_import(args: argparse.Namespace) -> int:
     print(record.id)
     what = f"{num_tokens}-token cartridge" if len(cartridges) == 1 else f"cartridge in {len(cartridges)} parts"
     print(f"(a {what} of user '{args.user}'; chat with model='{record.id}')", file=sys.stderr)
+    if len(cartridges) > 1 and not (args.training_files and "part_tokens" in config):
+        why = "without --training-files" if "part_tokens" in config else "its parts do not record their cut"
+        print(f"its parts answer by mixture, not by search ({why})", file=sys.stderr)
     return 0
