@@ -192,6 +192,13 @@ def record_cut(part: Cartridge, part_tokens: int) -> None:
     part.config = {**part.config, "part_tokens": part_tokens}
 
 
+def recorded_cut(parts: Sequence[Cartridge]) -> int | None:
+    """The part size every one of `parts` records (`record_cut`), or None where they do not agree on one."""
+    sizes = {part.config.get("part_tokens") for part in parts}
+    size = sizes.pop() if len(sizes) == 1 else None
+    return size if isinstance(size, int) else None
+
+
 def part_search_for(tokenizer: Any, texts: str | Sequence[str], parts: Sequence[Cartridge]) -> PartSearch:
     """The search over the parts of `texts` (the files the cartridge in `parts` was trained on,
     in order, joined as training joins them: `cartridges.selfstudy.named_texts` for several),
@@ -201,11 +208,10 @@ def part_search_for(tokenizer: Any, texts: str | Sequence[str], parts: Sequence[
     corpus, found for any question that shares a word with it."""
     if len(parts) == 1:
         return PartSearch(tokenizer, ["\n\n".join([texts] if isinstance(texts, str) else texts)])
-    sizes = {part.config.get("part_tokens") for part in parts}
-    if len(sizes) != 1 or not isinstance(next(iter(sizes)), int):
+    part_tokens = recorded_cut(parts)
+    if part_tokens is None:
         raise UnrecordedCut("these cartridges do not record how their corpus was cut into parts (parts "
                             "trained before it was kept): they answer by mixture, without a search")
-    part_tokens = next(iter(sizes))
     search = search_of_cut(tokenizer, texts, part_tokens, len(parts))
     if search is None:
         cut = len(corpus_parts(tokenizer, texts, part_tokens))

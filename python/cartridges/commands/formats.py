@@ -126,6 +126,7 @@ def _stored_cartridge(args: argparse.Namespace) -> tuple[Any, str]:
 def run_import(args: argparse.Namespace) -> int:
     from ..cartridge import CartridgeFileError, cartridges_to_bytes, load_cartridges
     from ..models.default import base_model_id
+    from ..parts import recorded_cut
     from ..server.settings import Settings
     from ..store import core, open_store
     from . import load_model_or_report
@@ -151,9 +152,8 @@ def run_import(args: argparse.Namespace) -> int:
     metrics: dict[str, Any] = {}
     if len(cartridges) > 1:  # a cartridge trained in parts: served as one, its part found by search or by mixture
         config["parts"] = True
-        cut = {c.config.get("part_tokens") for c in cartridges}
-        if len(cut) == 1 and isinstance(next(iter(cut)), int):
-            config["part_tokens"] = next(iter(cut))
+        if recorded_cut(cartridges) is not None:
+            config["part_tokens"] = recorded_cut(cartridges)
         metrics["parts"] = [{"corpus_tokens": None, "num_tokens": c.num_tokens, "num_samples": c.config.get("num_samples"),
                              "loss": None, "quality": c.quality, "signal_by_part": None} for c in cartridges]
     store = open_store(settings.data_dir, database_url=settings.database_url, blob_url=settings.blob_url)
