@@ -13,8 +13,9 @@ cartridge file (`cartridges.save_cartridges`). Where the parts' text is at hand,
 finds the part a question is about from the question alone, and that part answers: one part's
 cost, about the mixture's quality (the server's default, `composition: "search"`;
 docs/experiments.md, "Should search be the chat's default for a cartridge in parts?"); each
-part records the size its corpus was cut by (`record_cut`), so that the library and a local
-chat given the training files search too (`part_search_for`). Without the text the parts are
+part records the size its corpus was cut by and a digest of its text (`record_cut`), so that the
+library and a local chat given the training files search too (`part_search_for`), and files
+other than the ones trained on are refused rather than searched. Without the text the parts are
 composed by mixture, which puts its weight on the part the question is about. Either way a
 question that joins two parts is answered from one of them. They are not to be concatenated:
 parts trained apart read as one cartridge recover half as much. The CLI and the server train a
@@ -24,6 +25,7 @@ corpus this way when it holds more than four of the model's contexts and the use
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
@@ -173,7 +175,7 @@ def train_parts(
         part_checkpoint = checkpoint if checkpoint is None or count == 1 else f"{checkpoint}.part{j}of{count}"
         cartridges.append(train(model, text, config, progress, checkpoint=part_checkpoint, resume=resume))
         if count > 1:
-            record_cut(cartridges[-1], max_part_tokens or default_part_tokens(model))
+            record_cut(cartridges[-1], max_part_tokens or default_part_tokens(model), text)
         if on_trained is not None:
             on_trained(j, count, cartridges[-1])
         if progress and j < count:
@@ -186,10 +188,16 @@ class UnrecordedCut(ValueError):
     """Parts that do not record the size their corpus was cut by: nothing to search them with."""
 
 
-def record_cut(part: Cartridge, part_tokens: int) -> None:
-    """Keep in a part's config the size its corpus was cut by, so that the part can be found
-    again wherever the corpus is at hand (`part_search_for`)."""
-    part.config = {**part.config, "part_tokens": part_tokens}
+def record_cut(part: Cartridge, part_tokens: int, text: str) -> None:
+    """Keep in a part's config the size its corpus was cut by and the digest of the part's `text`,
+    so that the part can be found again wherever the corpus is at hand (`part_search_for`), and
+    other texts are told from it."""
+    part.config = {**part.config, "part_tokens": part_tokens, "part_sha256": part_digest(text)}
+
+
+def part_digest(text: str) -> str:
+    """"sha256:" + the hex digest of a part's text (UTF-8), as `record_cut` keeps it."""
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def recorded_cut(parts: Sequence[Cartridge]) -> int | None:
@@ -199,25 +207,37 @@ def recorded_cut(parts: Sequence[Cartridge]) -> int | None:
     return size if isinstance(size, int) else None
 
 
-def part_search_for(tokenizer: Any, texts: str | Sequence[str], parts: Sequence[Cartridge]) -> PartSearch:
-    """The search over the parts of `texts` (the files the cartridge in `parts` was trained on,
-    in order, joined as training joins them: `cartridges.selfstudy.named_texts` for several),
-    cut again at the size the parts recorded. ValueError, saying why, for texts that do not cut
-    into as many parts, and its UnrecordedCut for parts that recorded no size (trained before it
-    was kept, or not by `train_parts` or a datablock). One cartridge is searched as a part of its own: the whole
-    corpus, found for any question that shares a word with it."""
-    if len(parts) == 1:
-        return PartSearch(tokenizer, ["\n\n".join([texts] if isinstance(texts, str) else texts)])
+def texts_of_recorded_parts(tokenizer: Any, texts: str | Sequence[str], parts: Sequence[Cartridge]) -> list[str]:
+    """`texts` (the files the cartridge in `parts` was trained on, in order, joined as training
+    joins them: `cartridges.selfstudy.named_texts` for several) cut again at the size the parts
+    recorded: each part's own text. ValueError, saying why, for texts that do not cut into as
+    many parts or whose part differs from the one a part was trained on (where the part records
+    its text's digest: parts trained before it was kept do not), and its UnrecordedCut for parts
+    that recorded no size (trained before it was kept, or not by `train_parts` or a datablock)."""
     part_tokens = recorded_cut(parts)
     if part_tokens is None:
         raise UnrecordedCut("these cartridges do not record how their corpus was cut into parts (parts "
                             "trained before it was kept): they answer by mixture, without a search")
-    search = search_of_cut(tokenizer, texts, part_tokens, len(parts))
-    if search is None:
-        cut = len(corpus_parts(tokenizer, texts, part_tokens))
-        raise ValueError(f"the texts given cut into {cut} parts of about {part_tokens:,} tokens, not the "
-                         f"cartridge's {len(parts)}: give the files it was trained on, in the same order")
-    return search
+    texts_of_parts = corpus_parts(tokenizer, texts, part_tokens)
+    if len(texts_of_parts) != len(parts):
+        raise ValueError(f"the texts given cut into {len(texts_of_parts)} parts of about {part_tokens:,} tokens, "
+                         f"not the cartridge's {len(parts)}: give the files it was trained on, in the same order")
+    for j, (text, part) in enumerate(zip(texts_of_parts, parts), 1):
+        recorded = part.config.get("part_sha256")
+        if recorded is not None and recorded != part_digest(text):
+            raise ValueError(f"part {j} of {len(parts)} was trained on another text than the texts given hold "
+                             "there: give the files it was trained on, in the same order")
+    return texts_of_parts
+
+
+def part_search_for(tokenizer: Any, texts: str | Sequence[str], parts: Sequence[Cartridge]) -> PartSearch:
+    """The search over the parts of `texts` (the files the cartridge in `parts` was trained on,
+    in order), each part's text as `texts_of_recorded_parts` cuts it again, with its errors. One
+    cartridge is searched as a part of its own: the whole corpus, found for any question that
+    shares a word with it."""
+    if len(parts) == 1:
+        return PartSearch(tokenizer, ["\n\n".join([texts] if isinstance(texts, str) else texts)])
+    return PartSearch(tokenizer, texts_of_recorded_parts(tokenizer, texts, parts))
 
 
 def search_of_cut(tokenizer: Any, texts: str | Sequence[str], part_tokens: int, parts: int) -> PartSearch | None:

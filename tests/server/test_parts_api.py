@@ -270,6 +270,9 @@ def test_its_file_imports_as_a_cartridge_in_parts(chat_server: LiveServer, train
     others = subprocess.run(command + [trained["block"]["training_files"][0]], capture_output=True, text=True,
                             timeout=120)
     assert others.returncode == 1 and "No such file" in others.stderr  # another user's file
+    edited = upload_text(chat_server.openai(key), CORPUS.replace("Dunstable", "Dunstaple"), name="quelmor.md")
+    not_its_own = subprocess.run(command + [edited], capture_output=True, text=True, timeout=120)
+    assert not_its_own.returncode == 1 and "was trained on another text" in not_its_own.stderr, not_its_own.stderr
     with_files = subprocess.run(command + [upload_text(chat_server.openai(key), CORPUS, name="quelmor.md")],
                                 capture_output=True, text=True, timeout=120)
     assert with_files.returncode == 0 and "not by search" not in with_files.stderr, with_files.stderr

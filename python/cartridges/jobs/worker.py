@@ -154,8 +154,8 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
     parts: dict[str, Any] = {"parts": in_parts}
     if in_parts:
         parts["part_tokens"] = stored.get("part_tokens") or default_part_tokens(model)
-        corpora = [Corpus.from_texts(model.tokenizer, [text])
-                   for text in corpus_parts(model.tokenizer, texts, parts["part_tokens"])]
+        texts_of_parts = corpus_parts(model.tokenizer, texts, parts["part_tokens"])
+        corpora = [Corpus.from_texts(model.tokenizer, [text]) for text in texts_of_parts]
     configs = [decided_config(config, len(corpus), native_model(model)) for corpus in corpora]
     shown = (configs[0] if len(configs) == 1 else config).to_dict() | parts
     from ..store import core
@@ -187,7 +187,7 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
             return
         cartridge.config = part_config.to_dict()  # the config used, not our checkpoint cadence
         if len(corpora) > 1:
-            record_cut(cartridge, parts["part_tokens"])
+            record_cut(cartridge, parts["part_tokens"], texts_of_parts[j - 1])
         cartridges.append(cartridge)
     steps = sum(c.stats["steps"] for c in cartridges)
     if len(cartridges) == 1:
