@@ -13,7 +13,10 @@ answers more than a nat a token below no context, with their gain over no contex
 
 A section holds 6-9 questions (multi-hop ones count for both of theirs), so one question can
 decide its share; this says whether the misses are forgotten sections (every question near no
-context) or wrong recall (one answer pulled below no context).
+context) or wrong recall (one answer pulled below no context), and how firm the count of
+sections under the floor is: each section's questions drawn again with replacement (`--draws`
+times, every section at once), the share of draws in which a weak section stays under the floor,
+and the range of the count over the draws.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+import numpy as np
 
 from evaluation import recovered, summary  # this script's sibling, as eval_long imports it
 
@@ -41,9 +46,20 @@ def gain(question: dict, condition: str) -> float:
     return (question[condition]["loglik"] - question["none"]["loglik"]) / question["none"]["answer_tokens"]
 
 
-def report(path: Path, condition: str, floor: float) -> tuple[int, int]:
+def drawn_shares(questions: list[dict], condition: str, draws: int, rng: np.random.Generator) -> np.ndarray:
+    """The section's share over `draws` draws of its questions with replacement. The share of a
+    set of questions is (sum of condition - sum of none) / (sum of oracle - sum of none) over
+    their log p (per token, the tokens cancel), as `share` computes it."""
+    logliks = np.array([[q[c]["loglik"] for c in (condition, "none", "oracle")] for q in questions])
+    drawn = logliks[rng.integers(0, len(questions), size=(draws, len(questions)))].sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (drawn[:, 0] - drawn[:, 1]) / (drawn[:, 2] - drawn[:, 1])
+
+
+def report(path: Path, condition: str, floor: float, draws: int = 2000) -> tuple[int, int]:
     """Prints one document's weak sections; returns (weak sections, those at the floor without one question)."""
     weak = lifted = 0
+    rng = np.random.default_rng(0)
     for name, d in json.loads(path.read_text())["documents"].items():
         if condition not in d.get("recovered", {}):
             print(f"{path.name} {name}: no condition {condition!r}")
@@ -52,23 +68,33 @@ def report(path: Path, condition: str, floor: float) -> tuple[int, int]:
         below = sum(gain(q, condition) < -1.0 for q in questions)
         print(f"\n{path.name} {name} ({condition}): {below} of {len(questions)} questions over a nat a token "
               f"below no context")
-        print("| section | questions | oracle gain, nats/token | share | the question that weighs most | "
-              "its gain over none | share without it |\n|---|---|---|---|---|---|---|")
-        for section, value in d["recovered"][condition]["by_section"].items():
+        print("| section | questions | oracle gain, nats/token | share | under the floor in draws | "
+              "the question that weighs most | its gain over none | share without it |\n"
+              "|---|---|---|---|---|---|---|---|")
+        by_section = d["recovered"][condition]["by_section"]
+        under = {section: drawn_shares([q for q in questions if int(section) in q["sections"]], condition, draws, rng)
+                 < floor for section in by_section}
+        for section, value in by_section.items():
             if not value < floor:
                 continue
             own = [q for q in questions if int(section) in q["sections"]]
+            chance = f"{under[section].mean():.0%}"
             if len(own) < 2:
-                print(f"| {section} | {len(own)} | | {value:.2f} | (one question: nothing to leave out) | | |")
+                print(f"| {section} | {len(own)} | | {value:.2f} | {chance} | (one question: nothing to leave out) | | |")
                 weak += 1
                 continue
             without, worst = max(((share([q for q in own if q is not x], condition), x) for x in own),
                                  key=lambda t: t[0])
             oracle_gain = per_token(own, "oracle") - per_token(own, "none")
             weak, lifted = weak + 1, lifted + (without >= floor)
-            print(f"| {section} | {len(own)} | {oracle_gain:.2f} | {value:.2f} | {worst['kind']}: "
+            print(f"| {section} | {len(own)} | {oracle_gain:.2f} | {value:.2f} | {chance} | {worst['kind']}: "
                   f"{worst['answer']} (reply: {worst[condition]['reply'][:60]!r}) | {gain(worst, condition):.1f} | "
                   f"{without:.2f} |")
+        counts = np.sum(list(under.values()), axis=0)
+        low, median, high = np.percentile(counts, [5, 50, 95])
+        print(f"\nsections under {floor}: {sum(v < floor for v in by_section.values())} of {len(by_section)}; with "
+              f"each section's questions drawn again ({draws} draws): median {median:.0f}, 90% of draws "
+              f"{low:.0f}-{high:.0f}")
     return weak, lifted
 
 
@@ -103,10 +129,11 @@ def main() -> None:
     parser.add_argument("--condition", default="parts")
     parser.add_argument("--floor", type=float, default=0.3)
     parser.add_argument("--against", type=Path, help="a baseline result file of the same document(s)")
+    parser.add_argument("--draws", type=int, default=2000, help="draws of each section's questions (default 2000)")
     args = parser.parse_args()
     weak = lifted = 0
     for path in args.results:
-        w, l = report(path, args.condition, args.floor)
+        w, l = report(path, args.condition, args.floor, args.draws)
         weak, lifted = weak + w, lifted + l
     print(f"\n{weak} sections under {args.floor}; {lifted} reach it without their one question that weighs most")
     if args.against is not None:

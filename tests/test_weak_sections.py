@@ -34,6 +34,12 @@ def test_a_weak_section_names_the_question_below_no_context(tmp_path):
     assert "Wakeful Heron" in row and "| -3.0 |" in row and row.endswith("| 0.80 |")
     assert not any(line.startswith("| 2 |") for line in out.splitlines())
     assert "1 sections under 0.3; 1 reach it" in out
+    # Drawn again with replacement, section 1 stays under the floor unless the draw misses the wrong
+    # answer ((2/3)^3 of draws): about 70%; section 2 never. So the count is 1, or 0 in 30% of draws.
+    chance = float(row.split("|")[5].strip().rstrip("%"))
+    assert 65 <= chance <= 75
+    assert "sections under 0.3: 1 of 2; with each section's questions drawn again (2000 draws): median 1, " \
+           "90% of draws 0-1" in out
 
 
 def test_against_a_baseline_lists_the_questions_below_no_context_in_either_run(tmp_path):
