@@ -20,7 +20,7 @@ that files without biases stay readable by every version), and string metadata:
 | `num_frozen`      | leading tokens that were not trained                      |
 | `num_layers`, `num_kv_heads`, `head_dim` | the shape                           |
 | `dtype`           | dtype of the stored tensors (`float32`, `bfloat16`, ...)  |
-| `config`          | JSON of the training configuration                        |
+| `config`          | JSON of the training configuration; `corpus_sha256`: `sha256:` + the hex digest of the text trained on (UTF-8, files joined as training joins them) |
 | `checksum`        | `sha256:` + hex digest of every tensor's bytes: keys and values in layer order, keys before values, then the biases in layer order |
 | `quality`         | optional: JSON of the quality report (`cartridges.quality.quality_report`) |
 

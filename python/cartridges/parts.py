@@ -13,9 +13,10 @@ cartridge file (`cartridges.save_cartridges`). Where the parts' text is at hand,
 finds the part a question is about from the question alone, and that part answers: one part's
 cost, about the mixture's quality (the server's default, `composition: "search"`;
 docs/experiments.md, "Should search be the chat's default for a cartridge in parts?"); each
-part records the size its corpus was cut by and a digest of its text (`record_cut`), so that the
-library and a local chat given the training files search too (`part_search_for`), and files
-other than the ones trained on are refused rather than searched. Without the text the parts are
+part records the size its corpus was cut by (`record_cut`) and, as every cartridge does, the
+digest of the text it was trained on, so that the library and a local chat given the training
+files search too (`part_search_for`), and files other than the ones trained on are refused
+rather than searched. Without the text the parts are
 composed by mixture, which puts its weight on the part the question is about. Either way a
 question that joins two parts is answered from one of them. They are not to be concatenated:
 parts trained apart read as one cartridge recover half as much. The CLI and the server train a
@@ -25,7 +26,6 @@ corpus this way when it holds more than four of the model's contexts and the use
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import re
@@ -175,7 +175,7 @@ def train_parts(
         part_checkpoint = checkpoint if checkpoint is None or count == 1 else f"{checkpoint}.part{j}of{count}"
         cartridges.append(train(model, text, config, progress, checkpoint=part_checkpoint, resume=resume))
         if count > 1:
-            record_cut(cartridges[-1], max_part_tokens or default_part_tokens(model), text)
+            record_cut(cartridges[-1], max_part_tokens or default_part_tokens(model))
         if on_trained is not None:
             on_trained(j, count, cartridges[-1])
         if progress and j < count:
@@ -188,16 +188,28 @@ class UnrecordedCut(ValueError):
     """Parts that do not record the size their corpus was cut by: nothing to search them with."""
 
 
-def record_cut(part: Cartridge, part_tokens: int, text: str) -> None:
-    """Keep in a part's config the size its corpus was cut by and the digest of the part's `text`,
-    so that the part can be found again wherever the corpus is at hand (`part_search_for`), and
-    other texts are told from it."""
-    part.config = {**part.config, "part_tokens": part_tokens, "part_sha256": part_digest(text)}
+def record_cut(part: Cartridge, part_tokens: int) -> None:
+    """Keep in a part's config the size its corpus was cut by, so that the part can be found again
+    wherever the corpus is at hand (`part_search_for`); the digest of its text, which tells other
+    texts from it, is kept by training (`corpus_sha256`)."""
+    part.config = {**part.config, "part_tokens": part_tokens}
 
 
-def part_digest(text: str) -> str:
-    """"sha256:" + the hex digest of a part's text (UTF-8), as `record_cut` keeps it."""
-    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+def recorded_digest(cartridge: Cartridge) -> str | None:
+    """The digest of the text `cartridge` (or a part) was trained on, where it records one:
+    `corpus_sha256`, or `part_sha256` in parts that kept it under that name."""
+    return cartridge.config.get("corpus_sha256") or cartridge.config.get("part_sha256")
+
+
+def check_trained_on(cartridge: Cartridge, texts: str | Sequence[str], which: str = "the cartridge") -> None:
+    """ValueError where `cartridge` records the digest of its text and `texts` (joined as training
+    joins them) are another text; nothing to check where it records none."""
+    from .selfstudy.chunking import corpus_digest
+
+    recorded = recorded_digest(cartridge)
+    if recorded is not None and recorded != corpus_digest(texts):
+        raise ValueError(f"{which} was trained on another text than the files given: give the files it was "
+                         "trained on, in the same order")
 
 
 def recorded_cut(parts: Sequence[Cartridge]) -> int | None:
@@ -223,10 +235,7 @@ def texts_of_recorded_parts(tokenizer: Any, texts: str | Sequence[str], parts: S
         raise ValueError(f"the texts given cut into {len(texts_of_parts)} parts of about {part_tokens:,} tokens, "
                          f"not the cartridge's {len(parts)}: give the files it was trained on, in the same order")
     for j, (text, part) in enumerate(zip(texts_of_parts, parts), 1):
-        recorded = part.config.get("part_sha256")
-        if recorded is not None and recorded != part_digest(text):
-            raise ValueError(f"part {j} of {len(parts)} was trained on another text than the texts given hold "
-                             "there: give the files it was trained on, in the same order")
+        check_trained_on(part, text, f"part {j} of {len(parts)}")
     return texts_of_parts
 
 
@@ -236,6 +245,7 @@ def part_search_for(tokenizer: Any, texts: str | Sequence[str], parts: Sequence[
     cartridge is searched as a part of its own: the whole corpus, found for any question that
     shares a word with it."""
     if len(parts) == 1:
+        check_trained_on(parts[0], texts)
         return PartSearch(tokenizer, ["\n\n".join([texts] if isinstance(texts, str) else texts)])
     return PartSearch(tokenizer, texts_of_recorded_parts(tokenizer, texts, parts))
 

@@ -336,6 +336,14 @@ def _compaction_progress(bar: _Bar, cancel: cartridges_core.CancelToken | None) 
     return on_window
 
 
+def recorded_config(config: TrainConfig, corpus: Corpus) -> dict[str, Any]:
+    """What a cartridge keeps in its config: `config` as decided for `corpus`, and the digest of the
+    text it was trained on (`corpus_sha256`, `cartridges.selfstudy.chunking.corpus_digest`) where
+    the corpus has its texts, so that the files it is later used with can be checked against it."""
+    digest = corpus.digest()
+    return config.to_dict() | ({"corpus_sha256": digest} if digest else {})
+
+
 def _compacted(model: Any, corpus: Corpus, config: TrainConfig, bar: _Bar,
                cancel: cartridges_core.CancelToken | None) -> Cartridge:
     """objective="compact": the corpus' KV compacted by attention matching, untrained."""
@@ -344,7 +352,7 @@ def _compacted(model: Any, corpus: Corpus, config: TrainConfig, bar: _Bar,
         params = init_params(model, corpus, config.replace(init="compact"), _compaction_progress(bar, cancel))
     finally:
         bar.close()
-    cartridge = Cartridge.from_params(params, model_fingerprint(model), config.to_dict())
+    cartridge = Cartridge.from_params(params, model_fingerprint(model), recorded_config(config, corpus))
     cartridge.stats = {"losses": [], "steps": 0, "cancelled": False, "num_conversations": 0,
                        "num_target_tokens": 0, "init_s": time.perf_counter() - started, "synthesis_s": 0.0,
                        "training_s": 0.0,
@@ -440,7 +448,7 @@ def train(
         t3 = time.perf_counter()
     finally:
         bar.close()
-    cartridge = Cartridge.from_params(params, model_fingerprint(model), config.to_dict())
+    cartridge = Cartridge.from_params(params, model_fingerprint(model), recorded_config(config, corpus))
     cartridge.stats = {
         "losses": list(result.losses),
         "steps": result.steps,

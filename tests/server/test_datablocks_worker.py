@@ -14,6 +14,7 @@ import pytest
 
 from cartridges import Cartridge
 from cartridges.jobs import Supervisor
+from cartridges.selfstudy.chunking import corpus_digest
 from cartridges.selfstudy.config import TrainConfig
 from cartridges.jobs.supervisor import MAX_ATTEMPTS
 from cartridges.jobs.worker import _training_texts, run_job
@@ -94,6 +95,7 @@ def test_a_compact_job_trains_nothing_and_succeeds(store, tiny_model_dir: Path, 
     assert metrics["quality"] is None and metrics["loss"] is None
     cartridge = Cartridge.load(store.datablock_cartridge_path(owner, run_id))
     assert cartridge.num_tokens == 16 and cartridge.config["objective"] == "compact"
+    assert cartridge.config["corpus_sha256"] == corpus_digest(DOCUMENT)  # what it was trained on, for import's check
     assert json.loads(record.progress)["stage"] == "done"
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import httpx
@@ -236,9 +238,6 @@ def test_its_file_downloads_whole_and_single_cartridge_formats_are_refused(chat_
 
 
 def test_its_file_imports_as_a_cartridge_in_parts(chat_server: LiveServer, trained, tmp_path) -> None:
-    import subprocess
-    import sys
-
     block = trained["block"]
     downloaded = tmp_path / "parts.safetensors"
     downloaded.write_bytes(chat_server.http(trained["key"]).get(f"/v1/datablocks/{block['id']}/content").content)
@@ -286,7 +285,7 @@ def test_its_file_imports_as_a_cartridge_in_parts(chat_server: LiveServer, train
     assert theirs.choices[0].message.content == ours.choices[0].message.content
 
 
-def test_a_corpus_within_one_part_is_one_cartridge(chat_server: LiveServer, trained) -> None:
+def test_a_corpus_within_one_part_is_one_cartridge(chat_server: LiveServer, trained, tmp_path) -> None:
     key = trained["key"]
     with Client(chat_server.url, key) as client:
         block = client.datablocks.train([upload_text(chat_server.openai(key), DOCUMENT)], name="short",
@@ -301,6 +300,20 @@ def test_a_corpus_within_one_part_is_one_cartridge(chat_server: LiveServer, trai
     # Nothing in parts to search: with the default composition the response names no part.
     reply = chat_server.openai(key).chat.completions.create(model=done["id"], messages=MESSAGES, max_tokens=2)
     assert "search" not in reply.model_extra
+    # One cartridge records the digest of its text: imported with other files than it was trained on, refused.
+    downloaded = tmp_path / "one.safetensors"
+    downloaded.write_bytes(chat_server.http(key).get(f"/v1/datablocks/{done['id']}/content").content)
+    importer_key = chat_server.add_user("one-importer")
+    importer = chat_server.openai(importer_key)
+    command = [sys.executable, "-m", "cartridges.cli", "import", str(downloaded), "--user", "one-importer", "--model",
+               str(chat_server.model), "--data-dir", str(chat_server.data_dir), "--training-files"]
+    edited = subprocess.run(command + [upload_text(importer, DOCUMENT.replace("Quelmor", "Quelmar"))],
+                            capture_output=True, text=True, timeout=120)
+    assert edited.returncode == 1 and "the cartridge was trained on another text" in edited.stderr, edited.stderr
+    own_file = upload_text(importer, DOCUMENT)
+    own = subprocess.run(command + [own_file], capture_output=True, text=True, timeout=120)
+    assert own.returncode == 0, own.stderr
+    assert chat_server.http(importer_key).get(f"/v1/datablocks/{own.stdout.strip()}").json()["training_files"] == [own_file]
 
 
 def test_a_corpus_past_four_contexts_trains_in_parts_unless_told(chat_server: LiveServer, trained, model) -> None:

@@ -98,7 +98,8 @@ def test_a_cartridge_is_trained_per_part(model, tmp_path):
 
 
 def test_parts_record_their_cut_so_that_the_corpus_finds_them_again(model):
-    from cartridges.parts import UnrecordedCut, part_digest, part_search_for
+    from cartridges.parts import UnrecordedCut, part_search_for
+    from cartridges.selfstudy.chunking import corpus_digest
 
     text = manual(sections=4, paragraphs=2, words=30)
     config = TrainConfig(num_tokens=8, num_samples=2, objective="next_token", seed=1)
@@ -112,16 +113,22 @@ def test_parts_record_their_cut_so_that_the_corpus_finds_them_again(model):
     with pytest.raises(ValueError, match="cut into 1 parts .* not the cartridge's 2: give the files"):
         part_search_for(model.tokenizer, text[:900], carts)
     # Each part keeps its text's digest: a corpus that cuts into as many parts but is not the one trained on is refused.
-    assert [c.config["part_sha256"] for c in carts] == [part_digest(t) for t in texts]
+    assert [c.config["corpus_sha256"] for c in carts] == [corpus_digest(t) for t in texts]
     edited = text.replace("s4p1w7", "s4p1w8")
     assert len(corpus_parts(model.tokenizer, edited, 1500)) == 2
     with pytest.raises(ValueError, match="part 2 of 2 was trained on another text"):
         part_search_for(model.tokenizer, edited, carts)
     undigested = [Cartridge(c.keys, c.values, config={"part_tokens": 1500}) for c in carts]  # parts kept before digests
     assert part_search_for(model.tokenizer, edited, undigested).find("What follows s1p1w7?") == [0]
+    older_name = [Cartridge(c.keys, c.values, config={"part_tokens": 1500, "part_sha256": c.config["corpus_sha256"]})
+                  for c in carts]  # the digest as parts first kept it
+    with pytest.raises(ValueError, match="part 2 of 2 was trained on another text"):
+        part_search_for(model.tokenizer, edited, older_name)
     one = train_parts(model, text[:900], config, max_part_tokens=1500, progress=False)
     assert "part_tokens" not in one[0].config  # one cartridge is no part, and is found whole
     assert part_search_for(model.tokenizer, text[:900], one).find("What follows s1p1w7?") == [0]
+    with pytest.raises(ValueError, match="the cartridge was trained on another text than the files given"):
+        part_search_for(model.tokenizer, text[:899], one)  # one cartridge's text is checked whole
     unrecorded = [Cartridge(c.keys, c.values, config={}) for c in carts]
     with pytest.raises(UnrecordedCut, match="do not record how their corpus was cut"):
         part_search_for(model.tokenizer, text, unrecorded)

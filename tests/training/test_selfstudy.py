@@ -12,6 +12,7 @@ import torch
 
 import cartridges_core
 from cartridges.selfstudy import Conversation, Corpus, Synthesizer, TrainConfig, synthesize, training_data
+from cartridges.selfstudy.chunking import corpus_digest
 from cartridges.selfstudy.synthesize import signal_by_part
 from cartridges.training import multiplies_bfloat16_natively, resolved_training_dtype, train
 
@@ -202,6 +203,7 @@ def test_train_is_deterministic_and_reports_progress(model):
     assert first != other
     assert first.num_tokens == 24 and first.fingerprint == model.fingerprint
     assert first.config["seed"] == 7 and first.stats["steps"] == 6
+    assert first.config["corpus_sha256"] == corpus_digest(TEXT)  # the text it was trained on, told from others
     stages = [s[0] for s in seen]
     # 6 training conversations in batches of 3, then 8 held-out ones for the quality report,
     # one in each of 8 tenths of the corpus.

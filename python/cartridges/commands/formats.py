@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="ids of USER's uploaded files (POST /v1/files) that the cartridge was trained on, in "
                           "order: a cartridge in parts that records its cut is then answered from the part each "
                           "question is about (chat's default `search`), and chat's `retrieval` searches them; files "
-                          "whose parts are not the text its parts were trained on are refused")
+                          "that are not the text it (or each part) records it was trained on are refused")
     imported.add_argument("--model", metavar="PATH", help="the server's base model (CARTRIDGES_MODEL)")
     imported.add_argument("--data-dir", help="store directory (CARTRIDGES_DATA_DIR; default ./cartridges-data)")
     imported.set_defaults(run=run_import)
@@ -127,7 +127,7 @@ def _stored_cartridge(args: argparse.Namespace) -> tuple[Any, str]:
 def run_import(args: argparse.Namespace) -> int:
     from ..cartridge import CartridgeFileError, cartridges_to_bytes, load_cartridges
     from ..models.default import base_model_id
-    from ..parts import recorded_cut, texts_of_recorded_parts
+    from ..parts import check_trained_on, recorded_cut, texts_of_recorded_parts
     from ..selfstudy.chunking import named_texts
     from ..server.settings import Settings
     from ..store import core, open_store
@@ -165,11 +165,14 @@ def run_import(args: argparse.Namespace) -> int:
             print(f"error: no user '{args.user}' (create one with `cartridges keys create --user {args.user}`)",
                   file=sys.stderr)
             return 1
-        if args.training_files and "part_tokens" in config:  # the parts must be searched in their own text
+        if args.training_files:  # searched or retrieved from: the text it was trained on, where it says which
             owner = core().Owner(user.id, False)
             files = [store.get_file(owner, file_id) for file_id in args.training_files]
-            texts_of_recorded_parts(model.tokenizer, named_texts([(f.filename, store.file_text(owner, f.id))
-                                                                  for f in files]), cartridges)
+            texts = named_texts([(f.filename, store.file_text(owner, f.id)) for f in files])
+            if "part_tokens" in config:  # the parts must be searched in their own text
+                texts_of_recorded_parts(model.tokenizer, texts, cartridges)
+            elif len(cartridges) == 1:
+                check_trained_on(cartridges[0], texts)
         blob = store.begin_blob()
         blob.write(cartridges_to_bytes(cartridges))
         done = {"stage": "done", "completed": 0, "total": 0, "eta_seconds": 0}

@@ -9,6 +9,7 @@ computed once per round.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Sequence
@@ -25,13 +26,28 @@ class Corpus:
         texts = [t for t in texts if t.strip()]
         if not texts:
             raise ValueError("the corpus is empty")
-        tokens = tokenizer.encode("\n\n".join(texts))
+        tokens = tokenizer.encode(_joined(texts))
         if not tokens:
             raise ValueError("the corpus is empty")
         return cls(tokens, tuple(texts))
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def digest(self) -> str | None:
+        """`corpus_digest` of the texts, or None for a corpus made from tokens alone."""
+        return corpus_digest(self.texts) if self.texts else None
+
+
+def _joined(texts: Sequence[str]) -> str:
+    return "\n\n".join(t for t in texts if t.strip())
+
+
+def corpus_digest(texts: str | Sequence[str]) -> str:
+    """"sha256:" + the hex digest (UTF-8) of `texts` joined as `Corpus.from_texts` joins them:
+    what a cartridge records of the text it was trained on (`corpus_sha256` in its config), so
+    that other texts are told from it."""
+    return "sha256:" + hashlib.sha256(_joined([texts] if isinstance(texts, str) else texts).encode()).hexdigest()
 
 
 def named_texts(files: Sequence[tuple[str, str]]) -> list[str]:
