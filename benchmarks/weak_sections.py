@@ -72,12 +72,12 @@ def report(path: Path, condition: str, floor: float, draws: int = 2000) -> tuple
               "the question that weighs most | its gain over none | share without it |\n"
               "|---|---|---|---|---|---|---|---|")
         by_section = d["recovered"][condition]["by_section"]
-        under = {section: drawn_shares([q for q in questions if int(section) in q["sections"]], condition, draws, rng)
-                 < floor for section in by_section}
+        of_section = {section: [q for q in questions if int(section) in q["sections"]] for section in by_section}
+        under = {section: drawn_shares(own, condition, draws, rng) < floor for section, own in of_section.items()}
         for section, value in by_section.items():
             if not value < floor:
                 continue
-            own = [q for q in questions if int(section) in q["sections"]]
+            own = of_section[section]
             chance = f"{under[section].mean():.0%}"
             if len(own) < 2:
                 print(f"| {section} | {len(own)} | | {value:.2f} | {chance} | (one question: nothing to leave out) | | |")
