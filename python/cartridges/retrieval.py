@@ -2,10 +2,12 @@
 
 A cartridge holds what a corpus says as a whole; retrieval brings its literal detail. On the
 long-corpus suite's 16-17K-token documents the two together give more exact answers than either
-alone; on its 40-53K-token ones fewer than retrieval alone (docs/experiments.md, "Long
-corpora"). The server offers them together, or the passages alone (`retrieval` in a chat
-request, docs/api.md §4.3). The chunking, the ranking and the prompt here are the ones the
-suite measures.
+alone; on its 40-53K-token ones one cartridge with the passages gives fewer than retrieval alone,
+and the part of a cartridge in parts that search finds, with the passages, more on the one
+such document measured (docs/experiments.md, "Long corpora"). The server offers them together, or the passages alone
+(`retrieval` in a chat request, docs/api.md §4.3), and so does a local `cartridges chat --corpus
+FILE... --retrieval`. The chunking, the ranking and the prompt here are the ones the suite
+measures.
 """
 
 from __future__ import annotations
@@ -107,3 +109,15 @@ def passages_prompt(passages: Sequence[str]) -> str:
     """The system prompt that puts retrieved passages in context, best first: the prompt a
     cartridge's teacher read its document in during self-study."""
     return SYSTEM_PROMPT.format(chunk="\n\n".join(passages))
+
+
+def with_passages(messages: Sequence[dict[str, str]], passages: Sequence[str]) -> list[dict[str, str]]:
+    """The chat messages with `passages` in a system message in front (a system message of the
+    caller's follows them in the same message); the messages as they are without passages."""
+    messages = list(messages)
+    if not passages:
+        return messages
+    system = passages_prompt(passages)
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{system}\n\n{messages[0]['content']}"}, *messages[1:]]
+    return [{"role": "system", "content": system}, *messages]

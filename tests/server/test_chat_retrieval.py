@@ -149,7 +149,7 @@ def test_the_cli_chat_asks_for_retrieval(chat_server: LiveServer, owner: dict) -
     assert done.stdout.strip() == expected.choices[0].message.content.strip()
     assert "(passages: ferry.txt)" in done.stderr  # where the passage came from, beside the reply
     local = chat("--retrieval", stdin="")
-    assert local.returncode == 2 and "--retrieval is for --server" in local.stderr
+    assert local.returncode == 2 and "--retrieval without --server needs --corpus" in local.stderr
     too_many = chat("--server", chat_server.url, "--api-key", owner["key"], "--retrieval", "17", stdin="")
     assert too_many.returncode == 2 and "--retrieval takes 1 to 16 passages" in too_many.stderr
     alone = greedy(client, owner["cartridge"], messages=messages, max_tokens=16,
@@ -162,6 +162,34 @@ def test_the_cli_chat_asks_for_retrieval(chat_server: LiveServer, owner: dict) -
     assert _cached_tokens(chat_server) == cached  # no cartridge tokens went into its prompt
     lone = chat("--server", chat_server.url, "--passages-only", stdin="")
     assert lone.returncode == 2 and "--passages-only needs --retrieval" in lone.stderr
+
+
+def test_a_local_chat_retrieves_from_the_corpus_files_as_the_server_does(chat_server: LiveServer, owner: dict,
+                                                                         tiny_model_dir, tmp_path) -> None:
+    """`cartridges chat --cartridge FILE --corpus FILE... --retrieval` without a server: the same
+    passages in the same prompt behind the same cartridge, so the same greedy reply."""
+    from .test_chat_cli import chat
+
+    client = chat_server.openai(owner["key"])
+    cart = tmp_path / "harbor.safetensors"
+    stored_cartridge(chat_server, owner["cartridge"]).save(cart)
+    for name, text in FILES:
+        (tmp_path / name).write_text(text)
+    corpus = [str(tmp_path / name) for name, _ in FILES]
+    question = "Who keeps goats on the island?"
+    for options, flags in (({"top_k": 1}, ["--retrieval", "1"]),
+                           ({"top_k": 2, "passages_only": True}, ["--retrieval", "2", "--passages-only"])):
+        served = greedy(client, owner["cartridge"], messages=[{"role": "user", "content": question}], max_tokens=8,
+                        extra_body={"retrieval": options})
+        done = chat("--model", str(tiny_model_dir), "--cartridge", str(cart), "--corpus", *corpus, *flags,
+                    "--max-tokens", "8", stdin=f"{question}\n/exit\n")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == served.choices[0].message.content.strip(), flags
+        files = dict.fromkeys(p["filename"] for p in served.model_extra["retrieval"]["passages"])
+        assert f"(passages: {', '.join(files)})" in done.stderr and "ferry.txt" in files
+    (tmp_path / "ferry.txt").write_text(FERRY.replace("goats", "sheep"))  # not the text it was trained on
+    done = chat("--model", str(tiny_model_dir), "--cartridge", str(cart), "--corpus", *corpus, "--retrieval", stdin="")
+    assert done.returncode == 1 and "trained on another text" in done.stderr
 
 
 def test_passages_only_leaves_the_cartridge_out(chat_server: LiveServer, model: cartridges.Model,

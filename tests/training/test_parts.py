@@ -176,7 +176,10 @@ def test_train_command_writes_the_parts_as_one_file_and_chat_composes_them(model
         native = model.native
         tokenizer = model.tokenizer
 
+        seen: list = []  # the messages of each reply
+
         def stream_chat(self, messages, cartridges=(), composition="mixture", **kw):
+            self.seen.append(messages)
             yield f"{len(cartridges)} cartridges by {composition}"
 
     assert main(base + ["--parts", "--part-tokens", "1500"]) == 0
@@ -195,6 +198,20 @@ def test_train_command_writes_the_parts_as_one_file_and_chat_composes_them(model
     captured = capsys.readouterr()
     assert captured.out.splitlines() == ["1 cartridges by mixture", "2 cartridges by mixture"]  # no word: all parts
     assert "(part 2 of 2)" in captured.err
+    # --retrieval: the passages of the --corpus files that match the message, in a system message in
+    # front of the conversation (the server's prompt), behind the part found; --passages-only: alone.
+    for flags, said in ((["--retrieval", "2"], "1 cartridges by mixture"),
+                        (["--retrieval", "2", "--passages-only"], "0 cartridges by mixture")):
+        Chatty.seen.clear()
+        monkeypatch.setattr("sys.stdin", io.StringIO("What follows s4p1w7?\nthe and of\n"))
+        assert main(["chat", "--cartridge", str(out), "--corpus", corpus, "--system", "Be brief.", *flags]) == 0
+        captured = capsys.readouterr()
+        assert captured.out.splitlines()[0] == said, flags
+        found, nothing = Chatty.seen
+        assert found[0]["role"] == "system" and "s4p1w7" in found[0]["content"]
+        assert found[0]["content"].endswith("Be brief.") and found[1:] == [{"role": "user", "content": "What follows s4p1w7?"}]
+        assert nothing[0] == {"role": "system", "content": "Be brief."}  # stop words alone match no passage
+        assert "(passages: manual.md)" in captured.err and "(passages: none matched the message)" in captured.err
     (tmp_path / "other.md").write_text("A short note, not the manual.")
     for args, status, said in (
         (["--composition", "search"], 2, "needs --corpus"),
@@ -203,6 +220,8 @@ def test_train_command_writes_the_parts_as_one_file_and_chat_composes_them(model
         (["--corpus", str(tmp_path / "missing.md")], 1, "no such corpus file"),
         (["--corpus", str(tmp_path / "other.md")], 1, "cut into 1 parts"),
         (["--corpus", corpus, "--server", "http://127.0.0.1:9"], 2, "--corpus is for a local chat"),
+        (["--retrieval"], 2, "needs --corpus"),
+        (["--corpus", corpus, "--passages-only"], 2, "--passages-only needs --retrieval"),
     ):
         monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
         assert main(["chat", "--cartridge", str(out), *args]) == status, args

@@ -46,13 +46,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "heaviest cartridge alone: one sequence, faster for the parts of `cartridges train --parts`) "
                         "or concatenate (their KV one after another, in order)")
     parser.add_argument("--corpus", metavar="FILE", action="extend", nargs="+", default=[],
-                        help="without --server: the files a cartridge trained in parts was trained on, in the same "
-                        "order, so that each message is answered by the part it is about (search), as the server "
-                        "answers; a cartridge file holds no text to search")
+                        help="without --server: the files the cartridge was trained on, in the same order (checked "
+                        "against the digest it records); a cartridge trained in parts answers each message by the "
+                        "part it is about (search), as the server does, and --retrieval finds its passages in "
+                        "them; a cartridge file holds no text to search")
     parser.add_argument("--retrieval", metavar="K", type=int, nargs="?", const=4, default=None,
-                        help="with --server: also put in the prompt the K passages (default 4) of the cartridges' "
-                        "training files that best match each message (BM25), behind the cartridges; worth it on "
-                        "corpora beyond the model's context, for literal detail")
+                        help="also put in the prompt the K passages (default 4) of the cartridges' training files "
+                        "(with --server) or of the --corpus files (without) that best match each message (BM25), "
+                        "behind the cartridges; worth it on corpora beyond the model's context, for literal detail")
     parser.add_argument("--passages-only", action="store_true",
                         help="with --retrieval: the passages alone, the cartridges left out of the context "
                         "(on corpora of 40K tokens and more it answers more questions exactly)")
@@ -95,10 +96,13 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         return _run_server(args)
-    for given, name in ((args.api_key, "--api-key"), (args.retrieval is not None, "--retrieval")):
-        if given:
-            print(f"error: {name} is for --server", file=sys.stderr)
-            return 2
+    if args.api_key:
+        print("error: --api-key is for --server", file=sys.stderr)
+        return 2
+    if args.retrieval is not None and not args.corpus:
+        print("error: --retrieval without --server needs --corpus, the files the cartridge was trained on: the "
+              "passages are found in them", file=sys.stderr)
+        return 2
     if args.composition == "search" and not args.corpus:
         print("error: --composition search without --server needs --corpus, the files the cartridge was trained "
               "on: a cartridge file holds no text to search", file=sys.stderr)
@@ -112,12 +116,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {missing[0]}: no such {kind}", file=sys.stderr)
         return 1
     if args.corpus and len(args.cartridge) != 1:
-        print("error: --corpus searches the parts of one cartridge: give one --cartridge", file=sys.stderr)
+        print("error: --corpus is the text of one cartridge: give one --cartridge", file=sys.stderr)
         return 2
     model = load_model_or_report(args.model, args.device)
     if model is None:
         return 1
     from ..cartridge import CartridgeFileError, load_cartridges
+    from ..retrieval import with_passages
 
     try:
         files = [load_cartridges(path, model) for path in args.cartridge]
@@ -129,42 +134,76 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     prefixes = [cartridge.prefix(model) for parts in files for cartridge in parts]
-    search = None
+    search = retriever = None
     if args.corpus:
-        search = _part_search(model, args.corpus, files[0])
+        texts = _corpus_texts(args.corpus)
+        search = _part_search(model, texts, files[0]) if texts is not None else None
         if search is None:
             return 1
+        if args.retrieval is not None:
+            retriever = _retriever(model, texts)
+            if retriever is None:
+                return 1
     print(f"{model.name} ready. /reset clears the conversation, /exit quits.", file=sys.stderr)
 
     def reply(messages: list[dict[str, Any]]) -> Iterator[str]:
+        query = next(m["content"] for m in reversed(messages) if m["role"] == "user")
         # With --corpus, the parts the last user message is about; all of them where the search cannot say.
-        found = search.find(next(m["content"] for m in reversed(messages) if m["role"] == "user")) if search else []
+        found = search.find(query) if search else []
+        passages = retriever.hits(query, args.retrieval) if retriever is not None and query.strip() else []
         composition = "mixture" if args.composition in (None, "search") else args.composition
-        yield from model.stream_chat(messages, cartridges=[prefixes[j] for j in found] or prefixes,
+        context = [] if args.passages_only else [prefixes[j] for j in found] or prefixes
+        yield from model.stream_chat(with_passages(messages, [p.text for p in passages]), cartridges=context,
                                      composition=composition, max_tokens=args.max_tokens,
                                      temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-        if found:  # which parts answered, as the server's search says
+        if retriever is not None:  # on stderr, as with --server, so that stdout holds the replies alone
+            sources = ", ".join(dict.fromkeys(Path(args.corpus[p.source]).name for p in passages))
+            print(f"\n(passages: {sources or 'none matched the message'})", end="", file=sys.stderr, flush=True)
+        if len(prefixes) > 1 and found and not args.passages_only:  # which parts answered, as with --server
             print(f"\n(part{'s' if len(found) > 1 else ''} {', '.join(str(j + 1) for j in found)} of "
                   f"{len(prefixes)})", end="", file=sys.stderr, flush=True)
 
     return _loop(args.system, reply)
 
 
-def _part_search(model: Any, corpus: list[str], parts: list[Any]) -> Any:
-    """The search over the parts of the cartridge in `parts`, from the files it was trained on
-    (read and joined as `cartridges train` reads them), or None after saying why not."""
-    from ..parts import UnrecordedCut, part_search_for
+def _corpus_texts(corpus: list[str]) -> list[str] | None:
+    """The --corpus files as `cartridges train` reads them (one text per file, several under their
+    names), or None after saying why not."""
     from ..selfstudy.chunking import named_texts
     from .train import InputError, read_text
 
     try:
-        texts = named_texts([(Path(p).name, read_text(Path(p))) for p in corpus])
+        return named_texts([(Path(p).name, read_text(Path(p))) for p in corpus])
+    except (OSError, InputError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return None
+
+
+def _part_search(model: Any, texts: list[str], parts: list[Any]) -> Any:
+    """The search over the parts of the cartridge in `parts`, from the texts it was trained on,
+    or None after saying why not (the texts are not the ones it was trained on)."""
+    from ..parts import UnrecordedCut, part_search_for
+
+    try:
         return part_search_for(model.tokenizer, texts, parts)
     except UnrecordedCut as error:
         print(f"error: {error}; leave out --corpus", file=sys.stderr)
         return None
-    except (OSError, InputError, ValueError) as error:
+    except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
+        return None
+
+
+def _retriever(model: Any, texts: list[str]) -> Any:
+    """BM25 over the --corpus files' passages, each passage knowing its file (`Hit.source`, the
+    index into the files), as the server's retrieval indexes a cartridge's training files; or
+    None after saying why not."""
+    from ..retrieval import Retriever
+
+    try:
+        return Retriever.from_texts(model.tokenizer, texts)  # a blank file gives no passage
+    except ValueError:
+        print("error: the --corpus files hold no text to retrieve passages from", file=sys.stderr)
         return None
 
 

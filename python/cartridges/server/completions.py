@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from cartridges.engine import COMPOSITIONS, ContextLengthError, EngineBusyError, EngineStoppedError
 from cartridges.stream import Delta, GenerationError, Stream, TokenLogprob, choice_seeds
-from cartridges.retrieval import passages_prompt
+from cartridges.retrieval import with_passages
 from cartridges.server.chat_schemas import ChatCompletionRequest, FilePart, RetrievalOptions
 from cartridges.server.principal import Principal
 from cartridges.server.errors import APIError
@@ -145,12 +145,7 @@ def _with_passages(serving: Serving, user: Principal, records: list[Any], messag
                        "none: give a cartridge as `model` or in `cartridges`, or leave out `retrieval`.",
                        code="invalid_value", param="retrieval")
     passages = serving.passages.search(user, records, serving.model.tokenizer, query, top_k) if query.strip() else []
-    if not passages:
-        return messages, []
-    system = passages_prompt([p.text for p in passages])
-    if messages[0]["role"] == "system":
-        return [{"role": "system", "content": f"{system}\n\n{messages[0]['content']}"}, *messages[1:]], passages
-    return [{"role": "system", "content": system}, *messages], passages
+    return with_passages(messages, [p.text for p in passages]), passages
 
 
 def _content(serving: Serving, user: Principal, content: Any, index: int, deadline: float) -> str:
