@@ -132,7 +132,7 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
     from ..selfstudy.config import TrainConfig
     from ..cartridge import cartridges_to_bytes, native_model
     from ..parts import corpus_parts, default_part_tokens, in_parts_by_default, record_cut
-    from ..training import TrainingCancelled, decided_config, recorded_config, train
+    from ..training import TrainingCancelled, decided_config, train
 
     run_id = record.run_id
     stored = json.loads(record.config)
@@ -185,7 +185,6 @@ def _train(store: Any, owner: Any, record: Any, progress: Any, cancel: Any, sync
             return
         if progress.stopped or cartridge.stats["cancelled"]:
             return
-        cartridge.config = recorded_config(part_config, corpus)  # the config used, not our checkpoint cadence
         if len(corpora) > 1:
             record_cut(cartridge, parts["part_tokens"])
         cartridges.append(cartridge)
