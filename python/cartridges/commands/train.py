@@ -231,8 +231,9 @@ def _train_parts(model: Any, texts: list[str], config: Any, args: argparse.Names
         corpus = " ".join(shlex.quote(path) for path in args.files)
         print(f"wrote {out}: {len(cartridges)} parts of {', '.join(str(c.num_tokens) for c in cartridges)} tokens, "
               f"{size:.1f} MiB; chat with it, each message answered by the part it is about:\n  cartridges chat "
-              f"--cartridge {shlex.quote(str(out))} --corpus {corpus}\n(without --corpus its parts are composed by "
-              "mixture)", file=sys.stderr)
+              f"--cartridge {shlex.quote(str(out))} --corpus {corpus}\n(with --retrieval the corpus' best passages "
+              "for each message go in the prompt too, for literal detail; without --corpus its parts are composed "
+              "by mixture)", file=sys.stderr)
     return 0 if out == Path(args.out) else 1
 
 
