@@ -2,12 +2,12 @@
 
 A cartridge holds what a corpus says as a whole; retrieval brings its literal detail. On the
 long-corpus suite's 16-17K-token documents the two together give more exact answers than either
-alone; on its 40-53K-token ones one cartridge with the passages gives fewer than retrieval alone,
-and the part of a cartridge in parts that search finds, with the passages, more on the one
-such document measured (docs/experiments.md, "Long corpora"). The server offers them together, or the passages alone
-(`retrieval` in a chat request, docs/api.md §4.3), and so does a local `cartridges chat --corpus
-FILE... --retrieval`. The chunking, the ranking and the prompt here are the ones the suite
-measures.
+alone; on its 40-53K-token ones one cartridge with the passages gives fewer than retrieval
+alone, and the part of a cartridge in parts that search finds, with the passages, more on the
+one such document measured (docs/experiments.md, "Long corpora"). The server offers them
+together, or the passages alone (`retrieval` in a chat request, docs/api.md §4.3), and so does
+a local `cartridges chat --corpus FILE... --retrieval`. The chunking, the ranking and the
+prompt here are the ones the suite measures.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     if model is None:
         return 1
     from ..cartridge import CartridgeFileError, load_cartridges
-    from ..retrieval import with_passages
+    from ..retrieval import Retriever, with_passages
 
     try:
         files = [load_cartridges(path, model) for path in args.cartridge]
@@ -140,10 +140,8 @@ def run(args: argparse.Namespace) -> int:
         search = _part_search(model, texts, files[0]) if texts is not None else None
         if search is None:
             return 1
-        if args.retrieval is not None:
-            retriever = _retriever(model, texts)
-            if retriever is None:
-                return 1
+        if args.retrieval is not None:  # each passage knows its file (`Hit.source`), as the server's do
+            retriever = Retriever.from_texts(model.tokenizer, texts)  # read_text refused blank files
     print(f"{model.name} ready. /reset clears the conversation, /exit quits.", file=sys.stderr)
 
     def reply(messages: list[dict[str, Any]]) -> Iterator[str]:
@@ -191,19 +189,6 @@ def _part_search(model: Any, texts: list[str], parts: list[Any]) -> Any:
         return None
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
-        return None
-
-
-def _retriever(model: Any, texts: list[str]) -> Any:
-    """BM25 over the --corpus files' passages, each passage knowing its file (`Hit.source`, the
-    index into the files), as the server's retrieval indexes a cartridge's training files; or
-    None after saying why not."""
-    from ..retrieval import Retriever
-
-    try:
-        return Retriever.from_texts(model.tokenizer, texts)  # a blank file gives no passage
-    except ValueError:
-        print("error: the --corpus files hold no text to retrieve passages from", file=sys.stderr)
         return None
 
 
