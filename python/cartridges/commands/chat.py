@@ -133,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
         print("error: a cartridge trained in parts is composed by mixture: leave out --composition concatenate",
               file=sys.stderr)
         return 2
-    prefixes = [cartridge.prefix(model) for parts in files for cartridge in parts]
+    parts_count = sum(len(parts) for parts in files)
+    # With --passages-only the cartridge is read for its digest alone (the corpus check): its KV is not built.
+    prefixes = [] if args.passages_only else [cartridge.prefix(model) for parts in files for cartridge in parts]
     search = retriever = None
     if args.corpus:
         texts = _corpus_texts(args.corpus)
@@ -157,9 +159,9 @@ def run(args: argparse.Namespace) -> int:
         if retriever is not None:  # on stderr, as with --server, so that stdout holds the replies alone
             sources = ", ".join(dict.fromkeys(Path(args.corpus[p.source]).name for p in passages))
             print(f"\n(passages: {sources or 'none matched the message'})", end="", file=sys.stderr, flush=True)
-        if len(prefixes) > 1 and found and not args.passages_only:  # which parts answered, as with --server
+        if parts_count > 1 and found and not args.passages_only:  # which parts answered, as with --server
             print(f"\n(part{'s' if len(found) > 1 else ''} {', '.join(str(j + 1) for j in found)} of "
-                  f"{len(prefixes)})", end="", file=sys.stderr, flush=True)
+                  f"{parts_count})", end="", file=sys.stderr, flush=True)
 
     return _loop(args.system, reply)
 
