@@ -75,8 +75,12 @@ class Retriever:
         self.sources = list(sources) if sources is not None else [0] * len(self.chunks)
         if len(self.sources) != len(self.chunks):
             raise ValueError(f"{len(self.sources)} sources for {len(self.chunks)} chunks")
-        self._bm25 = bm25s.BM25()
-        self._bm25.index(_terms(self.chunks), show_progress=False)
+        terms = _terms(self.chunks)
+        # Chunks of stop words alone leave nothing to index (bm25s cannot index an empty vocabulary):
+        # then no query finds a chunk, as a query of stop words alone finds none.
+        self._bm25 = bm25s.BM25() if terms.vocab else None
+        if self._bm25 is not None:
+            self._bm25.index(terms, show_progress=False)
 
     @classmethod
     def from_texts(cls, tokenizer: Any, texts: Sequence[str], chunk_tokens: int = CHUNK_TOKENS) -> Retriever:
@@ -86,7 +90,10 @@ class Retriever:
 
     def hits_many(self, queries: Sequence[str], k: int = TOP_K) -> list[list[Hit]]:
         """Per query, its best chunks first, at most `k`; a chunk that shares no term with the
-        query (BM25 score 0) is never returned, so a query of stop words alone gets none."""
+        query (BM25 score 0) is never returned, so a query of stop words alone gets none, and so
+        does every query over chunks of stop words alone."""
+        if self._bm25 is None:
+            return [[] for _ in queries]
         if not queries:
             return []
         k = min(k, len(self.chunks))

@@ -59,6 +59,11 @@ def test_hits_carry_their_score_and_source() -> None:
         Retriever(["a", "b", "c"], sources=[0, 1])
 
 
+def test_a_corpus_of_stop_words_alone_finds_nothing_rather_than_failing() -> None:
+    retriever = Retriever(["The and of it.", "Is it a?"])  # nothing for BM25 to index
+    assert retriever.search("the lighthouse", k=2) == [] and retriever.search_many(["of", "bell"]) == [[], []]
+
+
 def test_from_texts_never_joins_two_texts_in_a_chunk() -> None:
     retriever = Retriever.from_texts(WordTokenizer(), ["alpha beta", "gamma delta"], chunk_tokens=100)
     assert retriever.chunks == ["alpha beta", "gamma delta"] and retriever.sources == [0, 1]
