@@ -162,3 +162,41 @@ def test_parts_route_is_scored_as_the_engine_routes(eval_long, model):
     [routed] = evaluation.answer_logliks(model, [prompt], [routed_reply.tokens], prefixes, "route")
     harbour, light = (evaluation.answer_logliks(model, [prompt], [routed_reply.tokens], [p])[0] for p in prefixes)
     assert routed == light and light > harbour  # the suite routes to it too
+
+
+def test_questions_with_their_own_conditions_are_scored_as_when_each_is_scored_alone(eval_long, model, monkeypatch):
+    """evaluate_each decodes the replies of questions under different conditions (their own
+    passages, their own cartridge) in one batch: every figure is what scoring each alone gives."""
+    import torch
+
+    evaluation = sys.modules["evaluation"]
+    Condition, Question = evaluation.Condition, evaluation.Question
+    facts = ["The keeper of the Quelmor light is Ansel Varrow.", "The harbour of Tessel closes at dusk.",
+             "The canal toll at Brenn is four pennies.", "The bell of Osk rings at noon."]
+    questions = [Question("Who keeps the Quelmor light?", "Ansel Varrow", "literal"),
+                 Question("When does the harbour of Tessel close?", "at dusk", "literal"),
+                 Question("What is the canal toll at Brenn?", "four pennies", "literal"),
+                 Question("When does the bell of Osk ring?", "at noon", "literal"),
+                 Question("Who keeps the Quelmor light, and since when?", "Ansel Varrow", "literal")]
+    cartridge = model.native.prefix_from_tokens(torch.tensor(model.tokenizer.encode(facts[3])))
+    conds = [Condition(system=evaluation.document_prompt(facts[0])), Condition(system=evaluation.document_prompt(facts[1])),
+             Condition(system=evaluation.document_prompt(facts[2])), Condition(prefixes=(cartridge,)),
+             Condition(system=evaluation.document_prompt(facts[0]))]
+
+    batches = []
+    generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda prompts, **kw: batches.append(len(prompts)) or generate(prompts, **kw))
+    together = evaluation.evaluate_each(model, questions, conds, max_reply=12, batch=16)
+    assert batches == [5]  # four conditions, one batch
+    alone = evaluation.evaluate_each(model, questions, conds, max_reply=12, batch=1)
+    assert together["per_question"] == alone["per_question"]
+    assert together["kv_tokens"] == alone["kv_tokens"]
+    assert "Ansel" in together["per_question"][0]["reply"]
+
+
+def test_groups_are_batched_in_windows_of_one_composition_in_their_order(eval_long):
+    evaluation = sys.modules["evaluation"]
+    groups = {("a", (), "mixture"): [0, 1], ("b", (), "route"): [2], ("c", (), "mixture"): [3],
+              ("d", (), "mixture"): [4, 5, 6], ("e", (), "mixture"): [7]}
+    assert evaluation.batched_groups(groups, 3) == [[[0, 1], [3]], [[4, 5, 6]], [[7]], [[2]]]
+    assert evaluation.batched_groups(groups, 1) == [[g] for g in ([0, 1], [3], [4, 5, 6], [7], [2])]
