@@ -46,11 +46,6 @@ TRAINING_ONLY_FIELDS = {"learning_rate", "anchor", "epochs", "batch_size", "grad
 # knob does not orphan every cached cartridge and its synthesized data.
 FIELDS_ADDED_AS = {"passages_fraction": 0.0, "verify_targets": "teacher", "verify_style": "judge"}
 
-# Questions whose greedy replies evaluate_each decodes in one batch when each has its own
-# condition: batched decoding is several times faster per reply on CPU, and the KV of about 16
-# prompts of a few thousand tokens each fits easily in memory.
-EVALUATE_BATCH = 16
-
 
 def keyed_fields(config: TrainConfig) -> dict[str, Any]:
     """The config's fields that name its cached cartridge and data (FIELDS_ADDED_AS)."""
@@ -234,36 +229,13 @@ def answer_logliks(model, prompts: list[list[int]], answers: list[list[int]], pr
 def score(model, questions: list[Question], cond: Condition, max_reply: int) -> tuple[list[dict], int]:
     """Per question under one condition: the gold's log-likelihood and token count, the greedy
     reply and whether it contains the gold; and the condition's KV tokens."""
-    return score_together(model, [(questions, cond)], max_reply)[0]
-
-
-def score_together(model, batches: list[tuple[list[Question], Condition]],
-                   max_reply: int) -> list[tuple[list[dict], int]]:
-    """score() of each (questions, condition) pair, the greedy replies of them all decoded in one
-    batch on the engine (a condition of one question each no longer decodes alone); the pairs
-    share one composition."""
-    compositions = {cond.composition for _, cond in batches}
-    if len(compositions) > 1:
-        raise ValueError(f"conditions scored together share a composition, got {sorted(compositions)}")
-    prepared = [(questions, cond, *context_prompts(model, questions, cond)) for questions, cond in batches]
-    logliks, answers = [], []
-    for questions, cond, prompts, prefixes, _ in prepared:
-        answers.append([model.tokenizer.encode(q.answer) for q in questions])
-        logliks.append(answer_logliks(model, prompts, answers[-1], prefixes, cond.composition))
-    all_prompts = [p for _, _, prompts, _, _ in prepared for p in prompts]
-    per_prompt = [prefixes for _, _, prompts, prefixes, _ in prepared for _ in prompts]
-    replies = iter(model.generate(all_prompts, max_new_tokens=max_reply,
-                                  prefixes=per_prompt if any(per_prompt) else None,
-                                  composition=compositions.pop()))
-    scored = []
-    for (questions, _, _, _, kv_tokens), group_answers, group_logliks in zip(prepared, answers, logliks):
-        results = []
-        for q, answer, loglik in zip(questions, group_answers, group_logliks):
-            reply = next(replies).text
-            results.append({"loglik": loglik, "answer_tokens": len(answer), "reply": reply,
-                            "match": contains_match(reply, q)})
-        scored.append((results, kv_tokens))
-    return scored
+    prompts, prefixes, kv_tokens = context_prompts(model, questions, cond)
+    answers = [model.tokenizer.encode(q.answer) for q in questions]
+    loglik = answer_logliks(model, prompts, answers, prefixes, cond.composition)
+    replies = model.generate(prompts, max_new_tokens=max_reply, prefixes=prefixes or None,
+                             composition=cond.composition)
+    return [{"loglik": ll, "answer_tokens": len(a), "reply": r.text, "match": contains_match(r.text, q)}
+            for q, a, ll, r in zip(questions, answers, loglik, replies)], kv_tokens
 
 
 def summary(per_question: list[dict], idx: list[int]) -> dict:
@@ -300,43 +272,21 @@ def evaluate(model, questions: list[Question], cond: Condition, max_reply: int) 
     return report(questions, per_question, kv_tokens, started)
 
 
-def evaluate_each(model, questions: list[Question], conds: list[Condition], max_reply: int,
-                  batch: int = EVALUATE_BATCH) -> dict:
+def evaluate_each(model, questions: list[Question], conds: list[Condition], max_reply: int) -> dict:
     """As evaluate(), with each question under its own condition (its section, its retrieved
-    chunks); questions with the same condition share its KV, and the replies of about `batch`
-    questions decode together. kv_tokens is the mean over questions."""
+    chunks); questions with the same condition share its KV. kv_tokens is the mean over questions."""
     started = time.perf_counter()
     groups: dict[tuple, list[int]] = {}
     for i, c in enumerate(conds):
         groups.setdefault((c.system, tuple(map(id, c.prefixes)), c.composition), []).append(i)
     per_question: list[dict] = [{}] * len(questions)
     kv_total = 0
-    for window in batched_groups(groups, batch):
-        scored = score_together(model, [([questions[i] for i in idx], conds[idx[0]]) for idx in window], max_reply)
-        for idx, (results, kv_tokens) in zip(window, scored):
-            for i, s in zip(idx, results):
-                per_question[i] = s
-            kv_total += kv_tokens * len(idx)
+    for idx in groups.values():
+        scored, kv_tokens = score(model, [questions[i] for i in idx], conds[idx[0]], max_reply)
+        for i, s in zip(idx, scored):
+            per_question[i] = s
+        kv_total += kv_tokens * len(idx)
     return report(questions, per_question, kv_total / max(1, len(questions)), started)
-
-
-def batched_groups(groups: dict[tuple, list[int]], batch: int) -> list[list[list[int]]]:
-    """The groups (keyed by system, prefixes, composition) in windows of at least `batch`
-    questions where enough are left, each window of one composition, in the groups' order."""
-    windows: list[list[list[int]]] = []
-    by_composition: dict[str, list[list[int]]] = {}
-    for key, idx in groups.items():
-        by_composition.setdefault(key[2], []).append(idx)
-    for same in by_composition.values():
-        window: list[list[int]] = []
-        for idx in same:
-            window.append(idx)
-            if sum(map(len, window)) >= batch:
-                windows.append(window)
-                window = []
-        if window:
-            windows.append(window)
-    return windows
 
 
 def recovered(value: float, none: float, full: float) -> float:
