@@ -67,7 +67,8 @@ class RetrievalOptions(BaseModel):
     passages_only: StrictBool = Field(
         default=False, description="Leave the cartridges' KV out of the context: their training files are searched "
         "as usual, and the passages alone answer (retrieval without the cartridge). On corpora of 40K tokens and "
-        "more it answers more questions exactly than the cartridge with the passages (docs/api.md §4.3).")
+        "more it answers more questions exactly than one cartridge with the passages, and about as many as a "
+        "cartridge in parts (the default there) with the passages (docs/api.md §4.3).")
 
 
 class StreamOptions(BaseModel):
