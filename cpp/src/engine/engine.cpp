@@ -25,6 +25,7 @@
 #include "cartridges/engine.h"
 #include "engine/fixed_decode.h"
 #include "engine/scheduler.h"
+#include "engine/step_threads.h"
 #include "model/spin_pool.h"
 
 namespace cartridges {
@@ -248,15 +249,15 @@ class EngineImpl {
     pthread_setname_np(pthread_self(), kComputeThreadName);
 #endif
     // Our kernels split their work on this pool, whose threads spin between a step's sections
-    // (model/spin_pool.h). ATen's operators use OpenMP with the same count, but one thread in a
-    // decode-only step when every matrix product is ours: what is left to ATen there is too small
-    // to wake a team for, while a prefill's attention (ATen's flash attention) needs the cores.
+    // (model/spin_pool.h).
     int threads = requested_threads_.load(), aten_threads = 0;
     auto pool = std::make_unique<SpinPool>(threads);
     PoolScope scope(pool.get());
-    auto set_aten_threads = [&](const StepPlan& plan) {
-      const int wanted = plan.prefill.empty() && model_->products_on_quantized_kernels() ? 1 : threads;
-      if (wanted != aten_threads) at::set_num_threads(aten_threads = wanted);  // per thread under OpenMP
+    // ATen's operators use OpenMP with the same count, or one thread in a step that decodes or
+    // prefills little (engine/step_threads.h); OpenMP's count is per thread.
+    auto set_aten_threads = [&](const PackedBatch& batch) {
+      const int wanted = aten_threads_for(batch, threads, model_->products_on_quantized_kernels());
+      if (wanted != aten_threads) at::set_num_threads(aten_threads = wanted);
     };
     std::vector<Event> events;
     for (;;) {
@@ -288,9 +289,8 @@ class EngineImpl {
         pool = std::make_unique<SpinPool>(threads);
         scope.reset(pool.get());
       }
-      set_aten_threads(plan);  // also follows the model's int8 setting
       if (!moved.empty()) move_slots(moved);
-      if (!plan.empty()) step(plan, events);
+      if (!plan.empty()) step(plan, events, set_aten_threads);
       publish(events, /*last=*/false);
     }
   }
@@ -340,7 +340,8 @@ class EngineImpl {
   };
 
   // Runs one forward over the plan and samples; appends the events.
-  void step(const StepPlan& plan, std::vector<Event>& events) {
+  template <typename SetThreads>
+  void step(const StepPlan& plan, std::vector<Event>& events, const SetThreads& set_aten_threads) {
     PackedBatch batch;
     std::vector<int64_t> tokens;
     std::vector<Part> parts;  // per sequence; a request's sequences are consecutive
@@ -377,6 +378,7 @@ class EngineImpl {
       for (auto [id, chunk] : plan.prefill) add(id, chunk);
     }
     batch.tokens = at::tensor(tokens, at::kLong);
+    set_aten_threads(batch);  // also follows the model's int8 setting
 
     at::Tensor logits;
     std::string failure;
